@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tllm_spec",
+    version="0.1.0",
+    description="One-model speculative decoding (EAGLE-3, MTP) for Hugging Face causal LMs",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tllm_spec", "tllm_spec.*"]),
+    package_data={"tllm_spec": ["assets/**/*"]},
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.56",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "pydantic>=2.6",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "scipy>=1.10"],
+        "gpu": ["flashinfer-python>=0.7", "triton>=3.0"],
+        "plot": ["matplotlib>=3.7"],
+    },
+)

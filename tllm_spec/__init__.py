@@ -1,0 +1,17 @@
+"""tllm_spec: TensorRT-LLM-style one-model speculative decoding (EAGLE-3, MTP) for Hugging Face causal LMs."""
+from .config import EngineConfig, Eagle3Config, MTPConfig, RunConfig, SamplingParams, load_run_config
+from .metadata import SpecMetadata
+from .modes import SpeculativeDecodingMode
+from .workers import SpecWorkerBase
+
+__all__ = [
+    "Eagle3Config",
+    "EngineConfig",
+    "MTPConfig",
+    "RunConfig",
+    "SamplingParams",
+    "SpecMetadata",
+    "SpecWorkerBase",
+    "SpeculativeDecodingMode",
+    "load_run_config",
+]

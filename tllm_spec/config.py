@@ -1,0 +1,138 @@
+"""Typed, frozen configuration: sampling, speculative decoding (EAGLE-3 / MTP), engine, and YAML run files."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .modes import SpeculativeDecodingMode
+
+# A temperature below this is greedy (TensorRT-LLM's sentinel for "temperature disabled" is ~1e-5).
+GREEDY_TEMPERATURE = 1e-4
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SamplingParams(_Frozen):
+    """Per-request sampling. ``temperature == 0`` or ``top_k == 1`` is greedy; ``top_k == 0`` and
+    ``top_p == 1`` disable those filters."""
+
+    max_new_tokens: int = Field(64, ge=1, description="most tokens to generate")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="softmax temperature; 0 = greedy")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = no limit")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept; 1 = no limit")
+    stop_token_ids: tuple[int, ...] = Field((), description="extra token ids that end the request (kept in the output)")
+    ignore_eos: bool = Field(False, description="do not stop at the tokenizer's EOS")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+class Eagle3Config(_Frozen):
+    """EAGLE-3 one-model speculative decoding: a draft head fed three target hidden states."""
+
+    decoding_type: Literal["eagle3"] = "eagle3"
+    speculative_model: str = Field(description="directory of the EAGLE-3 head (config.json + safetensors)")
+    max_draft_len: int = Field(3, ge=1, le=16, description="K: drafts proposed per step")
+    eagle3_one_model: bool = Field(True, description="draft inside the target forward (the only mode run here)")
+    eagle3_layers_to_capture: tuple[int, ...] | None = Field(
+        None, description="0-based target decoder layers whose OUTPUT feeds the head (TensorRT-LLM convention: "
+        "output of layer i = residual stream entering layer i+1). None: the head's config, else "
+        "(1, L//2-1, L-4)")
+
+    @model_validator(mode="after")
+    def _check(self) -> Eagle3Config:
+        layers = self.eagle3_layers_to_capture
+        if layers is not None and (len(layers) != 3 or len(set(layers)) != 3 or min(layers) < 0):
+            raise ValueError(f"eagle3_layers_to_capture must be 3 distinct non-negative layer ids, got {layers}")
+        return self
+
+    @property
+    def spec_dec_mode(self) -> SpeculativeDecodingMode:
+        mode = SpeculativeDecodingMode.EAGLE3_ONE_MODEL if self.eagle3_one_model else SpeculativeDecodingMode.EAGLE3
+        return mode.check_supported()
+
+
+class MTPConfig(_Frozen):
+    """Multi-token prediction: MTP modules stored with the target (or at ``mtp_checkpoint``)."""
+
+    decoding_type: Literal["mtp"] = "mtp"
+    num_nextn_predict_layers: int = Field(1, ge=1, le=16, description="MTP modules to load from the checkpoint")
+    max_draft_len: int | None = Field(None, ge=1, le=16, description="K; default num_nextn_predict_layers")
+    use_mtp_vanilla: bool = Field(False, description="N distinct modules applied in sequence (TRT-LLM MTP)")
+    mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
+    mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")
+    mtp_hidden_feedback: Literal["pre_norm", "post_norm"] = Field(
+        "pre_norm", description="MTP-Eagle: hidden fed to the next draft step, before or after shared_head.norm")
+    use_relaxed_acceptance_for_thinking: bool = Field(
+        False, description="lossy: inside <think> accept drafts among the target's top-k within relaxed_delta")
+    relaxed_topk: int = Field(1, ge=1, le=64, description="candidates considered by relaxed acceptance")
+    relaxed_delta: float = Field(0.0, ge=0.0, le=1.0, description="accept if prob >= top-1 prob - delta")
+    begin_thinking_phase_token: int | None = Field(None, ge=0, description="token id that opens thinking")
+    end_thinking_phase_token: int | None = Field(None, ge=0, description="token id that closes thinking")
+
+    @model_validator(mode="after")
+    def _check(self) -> MTPConfig:
+        if self.use_mtp_vanilla and self.max_draft_len not in (None, self.num_nextn_predict_layers):
+            raise ValueError("max_draft_len: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
+        if self.use_relaxed_acceptance_for_thinking and (
+                self.begin_thinking_phase_token is None or self.end_thinking_phase_token is None):
+            raise ValueError("begin_thinking_phase_token/end_thinking_phase_token are required with "
+                             "use_relaxed_acceptance_for_thinking")
+        return self
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.max_draft_len or self.num_nextn_predict_layers
+
+    @property
+    def spec_dec_mode(self) -> SpeculativeDecodingMode:
+        if self.use_mtp_vanilla:
+            mode = SpeculativeDecodingMode.MTP
+        elif self.mtp_eagle_one_model:
+            mode = SpeculativeDecodingMode.MTP_EAGLE_ONE_MODEL
+        else:
+            mode = SpeculativeDecodingMode.MTP_EAGLE
+        return mode.check_supported()
+
+
+SpecConfig = Annotated[Eagle3Config | MTPConfig, Field(discriminator="decoding_type")]
+
+
+class EngineConfig(_Frozen):
+    """Capacity of the decoding engine."""
+
+    max_batch_size: int = Field(8, ge=1, le=1024, description="requests decoded together")
+    max_seq_len: int | None = Field(None, ge=8, description="prompt + generated tokens; default from the target")
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache page")
+    num_pages: int | None = Field(None, ge=1, description="KV pages in the pool; default: enough for "
+                                  "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
+    kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
+
+
+class RunConfig(_Frozen):
+    """A YAML run file: target, speculative config, sampling, engine."""
+
+    target_model: str | None = Field(None, description="HF causal-LM directory; None = the embedded demo target")
+    spec_config: SpecConfig | None = Field(None, description="eagle3 / mtp; None = plain decoding")
+    sampling: SamplingParams = SamplingParams()
+    engine: EngineConfig = EngineConfig()
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    device: str = Field("auto", description="'cpu', 'cuda', 'cuda:1' or 'auto'")
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a YAML run file; errors name the file and the offending field."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"{path}: invalid config: {problems}") from None

@@ -1,0 +1,52 @@
+"""The one place flashinfer is imported: lazily, version-checked once, CUDA tensors only."""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+MIN_VERSION = (0, 7)
+
+
+@functools.cache
+def load_flashinfer() -> types.ModuleType | None:
+    """flashinfer if importable and new enough, else None (the torch path is used)."""
+    try:
+        import flashinfer
+        import flashinfer.sampling  # noqa: F401
+    except Exception:  # not installed, or its JIT runtime cannot load on this machine
+        return None
+    version = tuple(int(p) for p in flashinfer.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_VERSION:
+        raise ImportError(f"flashinfer {flashinfer.__version__} is too old; tllm_spec needs >= "
+                          f"{'.'.join(map(str, MIN_VERSION))}")
+    return flashinfer
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cuda" and load_flashinfer() is not None
+
+
+def top_k_top_p_sample(probs_logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                       seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row from temperature-scaled logits [R, V] (top_ks [R] int32, top_ps [R] f32).
+
+    seed/offset are [1] int64 device tensors: read on the device, so the call is CUDA-graph safe.
+    """
+    fi = load_flashinfer()
+    return fi.sampling.top_k_top_p_sampling_from_logits(
+        probs_logits, top_ks, top_ps, deterministic=True, check_nan=False, seed=seed, offset=offset)
+
+
+def chain_speculative_sampling(draft_probs: torch.Tensor, draft_ids: torch.Tensor, target_probs: torch.Tensor,
+                               seed: torch.Tensor, offset: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flashinfer's rejection sampler: (tokens [B, n+1] padded with -1, accepted [B], emitted [B]) int32."""
+    fi = load_flashinfer()
+    num_rows = draft_ids.shape[0]
+    accepted = torch.zeros(num_rows, dtype=torch.int32, device=draft_ids.device)
+    emitted = torch.zeros(num_rows, dtype=torch.int32, device=draft_ids.device)
+    return fi.sampling.chain_speculative_sampling(
+        draft_probs, draft_ids.to(torch.int32), target_probs, accepted, emitted,
+        deterministic=True, seed=seed, offset=offset)

@@ -1,0 +1,40 @@
+"""Counter-based random numbers from device-resident (seed, offset) tensors.
+
+Every draw is a pure function of (seed, offset, salt, element index), so it needs no host RNG state,
+works inside a CUDA graph (the tensors are read on the device) and is identical on CPU and GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_SEED_MODULUS = 2**31
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on the low 32 bits of an int64 tensor (products wrap; we keep 32 bits)."""
+    x = x & _MASK32
+    x = (x ^ (x >> 16)) * 0x7FEB352D & _MASK32
+    x = (x ^ (x >> 15)) * 0x846CA68B & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, offset: torch.Tensor, shape: tuple[int, ...], salt: int = 0) -> torch.Tensor:
+    """Uniform floats in (0, 1), float32, of ``shape``, on ``seed``'s device.
+
+    seed, offset: [1] int64 device tensors. ``salt`` separates independent streams of one step.
+    """
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    index = torch.arange(numel, device=seed.device, dtype=torch.int64)
+    key = _mix32(_mix32(seed * 0x9E3779B1 + salt) ^ _mix32(offset + 0x632BE5AB))
+    bits = _mix32(index * 0x85EBCA6B ^ key)
+    bits = _mix32(bits + (index >> 32))
+    # 23 random bits, centred in their bucket: exactly representable, never 0 or 1 in float32.
+    return ((bits >> 9).to(torch.float32) + 0.5).mul_(1.0 / 8388608.0).view(shape)
+
+
+def advance(seed: torch.Tensor) -> None:
+    """Move to a fresh stream in place (graph-safe): seed <- (seed + 1) mod 2**31."""
+    seed.add_(1).remainder_(_SEED_MODULUS)

@@ -1,0 +1,88 @@
+"""SpecWorkerBase: target sampling, strict acceptance and forced acceptance over the flat layout."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from .. import sampling
+from ..forced_acceptance import forced_num_accepted, read_forced_num_accepted
+from ..metadata import SpecMetadata
+
+
+class SpecWorkerBase(nn.Module, ABC):
+    """The part of the one-model step after the target's logits: sample, accept, draft.
+
+    Flat layout: ``num_ctx`` context requests (one target row each), then generation requests with
+    ``K + 1`` rows each (row j verifies draft j+1; row K is the bonus). Output contract (TensorRT-LLM):
+    ``new_tokens [B, K+1]`` accepted target tokens (first ``new_tokens_lens[b]`` valid),
+    ``new_tokens_lens [B]``, ``next_draft_tokens [B, K]``, ``next_new_tokens [B, K+1]`` (the next step's
+    generation input: last accepted token + next drafts).
+    """
+
+    def __init__(self, max_draft_len: int, use_flashinfer: bool = True):
+        super().__init__()
+        self.max_draft_len = max_draft_len
+        self.use_flashinfer = use_flashinfer
+        self.forced_num_accepted = read_forced_num_accepted()
+
+    @abstractmethod
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """One speculative step after the target forward."""
+
+    def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
+        """Target tokens for every row. logits [R, V] -> [R] int64."""
+        temps, top_ks, top_ps = spec_metadata.rows()
+        return sampling.sample(logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
+                               self.use_flashinfer)
+
+    def accept_tokens(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
+                      spec_metadata: SpecMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strict acceptance, then the forced override for generation rows.
+
+        target_tokens [R] int64; draft_tokens [G, K] int64 (the drafts being verified).
+        Returns (new_tokens [B, K+1] int64 target tokens, num_accepted [B] int64 with the bonus counted).
+        """
+        num_accepted_gen, gen_tokens = strict_acceptance(target_tokens[num_contexts:], draft_tokens)
+        if self.forced_num_accepted is not None:
+            num_accepted_gen = forced_num_accepted(self.forced_num_accepted, self.max_draft_len,
+                                                   draft_tokens.shape[0], spec_metadata.seed,
+                                                   spec_metadata.offset)
+        ctx_tokens = torch.zeros(num_contexts, self.max_draft_len + 1, dtype=torch.int64,
+                                 device=target_tokens.device)
+        ctx_tokens[:, 0] = target_tokens[:num_contexts]
+        ctx_accepted = torch.ones(num_contexts, dtype=torch.int64, device=target_tokens.device)
+        return torch.cat([ctx_tokens, gen_tokens]), torch.cat([ctx_accepted, num_accepted_gen])
+
+    @staticmethod
+    def _prepare_next_new_tokens(new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                                 next_draft_tokens: torch.Tensor) -> torch.Tensor:
+        """[last accepted token, K next drafts] per request. new_tokens [B, K+1], num_accepted [B],
+        next_draft_tokens [B, K] -> [B, K+1] int64."""
+        last = new_tokens.gather(1, (num_accepted - 1).unsqueeze(1))
+        return torch.cat([last, next_draft_tokens], dim=1)
+
+    @staticmethod
+    def _prepare_context_input_ids(input_ids: torch.Tensor, gather_ids: torch.Tensor,
+                                   target_tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids for the draft's first pass: each position paired with the token that follows it.
+
+        Inside a prompt that is the next prompt token; at every sampled row (a prompt's last token, each of
+        a generation request's K+1 tokens) it is the target token sampled there.
+        input_ids [T], gather_ids [R], target_tokens [R] -> [T] int64.
+        """
+        shifted = torch.roll(input_ids, -1)
+        return shifted.index_copy(0, gather_ids, target_tokens)
+
+
+def strict_acceptance(gen_target_tokens: torch.Tensor, draft_tokens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts while draft == target: n = 1 + cumprod(draft == target[:, :K]).sum(-1).
+
+    gen_target_tokens [G*(K+1)] int64; draft_tokens [G, K]. Returns (num_accepted [G], tokens [G, K+1]).
+    """
+    num_gen, k = draft_tokens.shape
+    tokens = gen_target_tokens.view(num_gen, k + 1)
+    matches = (draft_tokens == tokens[:, :k]).to(torch.int64)
+    return 1 + matches.cumprod(dim=1).sum(dim=1), tokens
