@@ -62,6 +62,13 @@ class SpecMetadata:
         self.top_ps[:rows].copy_(torch.tensor(top_ps, dtype=torch.float32), non_blocking=True)
         self.gather_ids[:rows].copy_(torch.cat([ends_ctx, gen_ids]), non_blocking=True)
 
+    def first_rows(self) -> torch.Tensor:
+        """Index of each request's first row (context: its only row; generation: its K+1 block). [B] int64."""
+        num_ctx, num_gen = self.num_context_requests, self.num_generation_requests
+        device = self.gather_ids.device
+        gen = num_ctx + torch.arange(num_gen, device=device) * (self.max_draft_len + 1)
+        return torch.cat([torch.arange(num_ctx, device=device), gen])
+
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views (temperatures, top_ks, top_ps) over this step's rows."""
         rows = self.num_rows

@@ -31,6 +31,10 @@ class SpecWorkerBase(nn.Module, ABC):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """One speculative step after the target forward."""
 
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of the draft network's cache layers, placed after the target's."""
+        return []
+
     def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Target tokens for every row. logits [R, V] -> [R] int64."""
         temps, top_ks, top_ps = spec_metadata.rows()

@@ -1,0 +1,138 @@
+"""The step loop: admit requests (reserving KV pages), build flat step inputs, run the one-model step,
+append accepted tokens, stop, free pages."""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from .attention import AttentionMetadata
+from .config import SamplingParams
+from .request import AcceptanceStats, Request, RequestOutput
+
+if TYPE_CHECKING:
+    from .spec_model import SpecModel
+
+
+class GenerationOutputs(list):
+    """``list[RequestOutput]`` plus ``stats``: aggregate acceptance and throughput of the call."""
+
+    stats: dict[str, object]
+
+
+class Engine:
+    """Runs requests to completion on a :class:`SpecModel`, batching up to ``max_batch_size`` at a time."""
+
+    def __init__(self, model: SpecModel):
+        self.model = model
+        self.kv = model.kv_cache
+        self.k = model.max_draft_len
+        self.max_seq_len = model.max_seq_len
+
+    def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], seed: int = 0,
+                 progress: bool = False) -> GenerationOutputs:
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        waiting: deque[Request] = deque()
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            error = self._validate(prompt, p)
+            if error:
+                warnings.warn(f"request {i} rejected: {error}", stacklevel=3)
+                outputs[i] = RequestOutput(i, list(prompt), [], "rejected", AcceptanceStats(self.k), error=error)
+            else:
+                waiting.append(self._new_request(i, prompt, p))
+        self.model.spec_metadata.reseed(seed)
+        start, total = time.perf_counter(), AcceptanceStats(self.k)
+        running: list[Request] = []
+        with tqdm(total=sum(r.max_total_tokens - len(r.prompt) for r in waiting), unit="tok",
+                  disable=not progress, desc="generate") as bar:
+            while waiting or running:
+                batch = self._admit(waiting, len(running)) + running
+                self._step(batch, bar)
+                for r in batch:
+                    if r.finish_reason:
+                        self.kv.free(r.slot)
+                        outputs[r.index] = r.to_output(self.model.decode(r.output))
+                        total.merge(r.stats)
+                        bar.update(r.max_total_tokens - len(r.prompt) - len(r.output))
+                running = [r for r in batch if not r.finish_reason]
+        return self._finish(outputs, total, time.perf_counter() - start)
+
+    def _validate(self, prompt: Sequence[int], p: SamplingParams) -> str | None:
+        vocab = self.model.target.vocab_size
+        if len(prompt) == 0:
+            return "empty prompt"
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            return f"token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}"
+        if len(prompt) + self.k + 1 > self.max_seq_len:
+            return (f"prompt of {len(prompt)} tokens cannot fit: prompt + max_draft_len + 1 = "
+                    f"{len(prompt) + self.k + 1} > max_seq_len = {self.max_seq_len}")
+        pages = self.kv.pages_for(self._reserved_tokens(len(prompt), p))
+        if pages > self.kv.max_pages_per_request or pages > self.model.num_kv_pages - 1:
+            return f"needs {pages} KV pages; the pool has {self.model.num_kv_pages - 1}"
+        return None
+
+    def _reserved_tokens(self, prompt_len: int, p: SamplingParams) -> int:
+        # target writes up to K positions past the committed length; draft passes up to 2K - 1
+        return min(prompt_len + p.max_new_tokens, self.max_seq_len) + 2 * self.k + 1
+
+    def _new_request(self, index: int, prompt: Sequence[int], p: SamplingParams) -> Request:
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.model.eos_token_ids))
+        return Request(index, list(prompt), p, frozenset(stop_ids),
+                       min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k))
+
+    def _admit(self, waiting: deque[Request], num_running: int) -> list[Request]:
+        """Move waiting requests in (FIFO) while batch slots and KV pages last."""
+        admitted: list[Request] = []
+        while waiting and num_running + len(admitted) < self.model.max_batch_size:
+            r = waiting[0]
+            needed = self._reserved_tokens(len(r.prompt), r.params)
+            if not self.kv.can_allocate(needed):
+                break
+            r.slot = self.kv.allocate(needed)
+            admitted.append(waiting.popleft())
+        if not admitted and num_running == 0:
+            raise RuntimeError("no request can be admitted: KV pool smaller than one request's reservation")
+        return admitted
+
+    def _step(self, batch: list[Request], bar: tqdm) -> None:
+        """One forward for the batch (context requests first), then update every request on the host."""
+        device = self.model.device
+        contexts = [r for r in batch if r.is_context]
+        ids, positions, slots = [], [], []
+        for r in batch:
+            tokens = r.prompt if r.is_context else r.next_input
+            ids += tokens
+            positions += range(r.num_cached, r.num_cached + len(tokens))
+            slots += [r.slot] * len(tokens)
+        gen = [r.next_input[1:] for r in batch if not r.is_context]
+        draft_tokens = torch.tensor(gen, dtype=torch.int64).view(len(gen), self.k).to(device)
+        self.model.spec_metadata.prepare([r.params for r in batch], [len(r.prompt) for r in contexts])
+        attn = AttentionMetadata.build(self.kv, torch.tensor(slots, device=device),
+                                       torch.tensor(positions, device=device), max(positions) + self.k + 2)
+        out = self.model(torch.tensor(ids, device=device), attn, draft_tokens)
+        host = torch.cat([out["new_tokens"], out["new_tokens_lens"][:, None], out["next_new_tokens"]], 1).cpu()
+        for r, row in zip(batch, host.tolist()):
+            n = row[self.k + 1]
+            if r.is_context:
+                r.num_cached = len(r.prompt)
+            else:
+                r.num_cached += n
+                r.stats.record(n)
+            r.next_input = row[self.k + 2:]
+            before = len(r.output)
+            r.append(row[:n])
+            bar.update(len(r.output) - before)
+
+    def _finish(self, outputs: list[RequestOutput | None], total: AcceptanceStats,
+                seconds: float) -> GenerationOutputs:
+        result = GenerationOutputs(outputs)
+        num_tokens = sum(len(o.token_ids) for o in outputs)
+        result.stats = {"num_requests": len(outputs), "num_tokens": num_tokens, "seconds": round(seconds, 4),
+                        "tokens_per_second": round(num_tokens / seconds, 2) if seconds > 0 else 0.0,
+                        **total.summary()}
+        return result

@@ -1,0 +1,64 @@
+"""Random-weight targets and draft heads of a given shape, saved in real checkpoint formats.
+
+Used by the tests (tiny models through the real loaders), the benchmark (Llama-3.1-8B-shaped models
+without a download) and the interim demo.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from .drafts.eagle3_checkpoint import Eagle3Checkpoint, random_eagle3_checkpoint, save_eagle3_checkpoint
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+SHAPES = {
+    "tiny": TINY,
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=4096, vocab_size=32000),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
+                         rope_theta=500000.0),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, vocab_size=151936,
+                     rope_theta=1000000.0),
+}
+
+
+def target_config(model_type: str = "llama", vocab_size: int = 97, **overrides) -> PretrainedConfig:
+    """An HF config of ``model_type`` (llama, qwen2, qwen3, mistral) with TINY defaults and overrides."""
+    fields = {**TINY, "vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": None,
+              "eos_token_id": None, "pad_token_id": None, **overrides}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def save_random_target(path: str | Path, config: PretrainedConfig, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """Random weights (fan-in scaled matrices, unit-variance embeddings) saved with save_pretrained."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if "embed" not in name else 1.0)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def random_head_for(config: PretrainedConfig, draft_vocab_size: int | None = None, seed: int = 0,
+                    aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Checkpoint:
+    """A random EAGLE-3 head shaped for ``config``'s target (same hidden size and attention shape)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return random_eagle3_checkpoint(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=head_dim,
+        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        draft_vocab_size=draft_vocab_size or config.vocab_size, seed=seed, aux_layer_ids=aux_layer_ids)
+
+
+def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = "eagle", **kwargs) -> Path:
+    save_eagle3_checkpoint(path, random_head_for(config, **kwargs), dialect)
+    return Path(path)

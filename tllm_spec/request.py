@@ -1,0 +1,96 @@
+"""Requests in flight, their outputs, and acceptance statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import SamplingParams
+
+
+@dataclass
+class AcceptanceStats:
+    """Accepted tokens per generation step (bonus included): n in 1..K+1."""
+
+    max_draft_len: int
+    accepted_per_step: list[int] = field(default_factory=list)
+
+    def record(self, num_accepted: int) -> None:
+        self.accepted_per_step.append(num_accepted)
+
+    def merge(self, other: AcceptanceStats) -> None:
+        self.accepted_per_step.extend(other.accepted_per_step)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per generation step, bonus included (1.0 = nothing accepted)."""
+        return sum(self.accepted_per_step) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Fraction of steps in which draft j (1-based) was accepted, for j = 1..K."""
+        steps = max(self.num_steps, 1)
+        return [sum(n - 1 >= j for n in self.accepted_per_step) / steps for j in range(1, self.max_draft_len + 1)]
+
+    @property
+    def histogram(self) -> list[int]:
+        """Steps that accepted 0, 1, ..., K drafts."""
+        counts = [0] * (self.max_draft_len + 1)
+        for n in self.accepted_per_step:
+            counts[n - 1] += 1
+        return counts
+
+    def summary(self) -> dict[str, object]:
+        return {"steps": self.num_steps, "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate_per_position],
+                "histogram": self.histogram}
+
+
+@dataclass
+class RequestOutput:
+    """What generate() returns per prompt. ``finish_reason``: "stop", "length" or "rejected" (see ``error``)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: AcceptanceStats
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_total_tokens: int  # prompt + generated may not exceed this (max_seq_len and max_new_tokens)
+    stats: AcceptanceStats
+    slot: int = -1
+    num_cached: int = 0  # positions whose target K/V are committed
+    next_input: list[int] = field(default_factory=list)  # [last token, K drafts] for the next step
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def is_context(self) -> bool:
+        return self.num_cached == 0
+
+    def append(self, tokens: list[int]) -> None:
+        """Append accepted tokens, stopping at a stop id or the length limit (the rest is trimmed)."""
+        for token in tokens:
+            self.output.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.prompt) + len(self.output) >= self.max_total_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                return
+
+    def to_output(self, text: str | None) -> RequestOutput:
+        return RequestOutput(self.index, self.prompt, self.output, self.finish_reason or "length", self.stats, text)

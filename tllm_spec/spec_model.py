@@ -1,0 +1,156 @@
+"""SpecModel: a Hugging Face causal LM with the draft network inside its forward (one-model speculation)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import demo
+from .attention import AttentionMetadata
+from .config import EngineConfig, Eagle3Config, MTPConfig, SamplingParams
+from .drafts.eagle3 import Eagle3DraftModel, resolve_capture_layers
+from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
+from .engine import Engine, GenerationOutputs
+from .kv_cache import KVCache
+from .metadata import SpecMetadata
+from .modes import SpeculativeDecodingMode
+from .target import TargetModel
+from .tokenizer import load_tokenizer
+from .workers.base import SpecWorkerBase
+from .workers.eagle3 import Eagle3OneModelWorker
+from .workers.plain import PlainWorker
+
+_DEFAULT_MAX_SEQ_LEN = 8192
+
+
+class SpecModel(nn.Module):
+    """The one-model step (:meth:`forward`) and a batched ``generate`` around it."""
+
+    def __init__(self, target: TargetModel, worker: SpecWorkerBase, mode: SpeculativeDecodingMode,
+                 engine_config: EngineConfig, tokenizer=None):
+        super().__init__()
+        self.target, self.worker, self.mode, self.tokenizer = target, worker, mode, tokenizer
+        self.engine_config = engine_config
+        self.max_draft_len = worker.max_draft_len
+        self.max_batch_size = engine_config.max_batch_size
+        self.max_seq_len = engine_config.max_seq_len or min(
+            getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
+        self.eos_token_ids = _eos_token_ids(target, tokenizer)
+        self.spec_metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, self.device)
+        self.kv_cache = self._make_kv_cache()
+        self.num_kv_pages = self.kv_cache.k[0].shape[0]
+
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, spec_config: Eagle3Config | MTPConfig | None = None,
+                        dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                        engine_config: EngineConfig | None = None, **engine_kwargs) -> SpecModel:
+        """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft.
+
+        ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``).
+        """
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        engine_config = (engine_config or EngineConfig()).model_copy(update=engine_kwargs)
+        engine_config = EngineConfig.model_validate(engine_config.model_dump())
+        target_dir = demo.resolve(target_dir)
+        target = TargetModel.load(target_dir, dtype, device)
+        mode = spec_config.spec_dec_mode if spec_config is not None else SpeculativeDecodingMode.NONE
+        if mode.is_eagle3_one_model():
+            worker = _eagle3_worker(target, spec_config, dtype, device)
+        elif mode.is_mtp_one_model():
+            raise NotImplementedError("MTP one-model workers are not available yet in this version of tllm_spec")
+        else:
+            worker = PlainWorker()
+        return cls(target, worker, mode, engine_config, load_tokenizer(target_dir))
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.lm_head.weight.device
+
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+        """One step: target over the packed batch -> logits at gather ids -> worker (sample, accept, draft).
+
+        input_ids [T] int64 in the flat layout; draft_tokens [G, K] int64 (the drafts being verified).
+        Returns new_tokens [B, K+1], new_tokens_lens [B], next_draft_tokens [B, K], next_new_tokens [B, K+1].
+        """
+        hidden = self.target(input_ids, attn)
+        logits = self.target.compute_logits(hidden[self.spec_metadata.gather_ids[:self.spec_metadata.num_rows]])
+        features = self.target.captured_hidden() if self.mode.is_eagle3_one_model() else hidden
+        return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, seed: int = 0, progress: bool = False) -> GenerationOutputs:
+        """Decode a batch of prompts (strings need the target's tokenizer) to completion."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list of strings or of token-id lists")
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return Engine(self).generate(token_prompts, params, seed, progress)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this target directory has no tokenizer: pass token-id lists instead of strings")
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _make_kv_cache(self) -> KVCache:
+        shapes = self.target.kv_layer_shapes() + self.worker.kv_layer_shapes()
+        per_request = self.max_seq_len + 2 * self.max_draft_len + 1
+        page = self.engine_config.page_size
+        num_pages = self.engine_config.num_pages or _auto_num_pages(
+            shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config, self.device,
+            self.target.lm_head.weight.dtype)
+        return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, self.target.lm_head.weight.dtype,
+                       self.device)
+
+
+def _eagle3_worker(target: TargetModel, cfg: Eagle3Config, dtype: torch.dtype, device: torch.device
+                   ) -> Eagle3OneModelWorker:
+    ckpt = load_eagle3_checkpoint(demo.resolve(cfg.speculative_model), target_hidden_size=target.hidden_size,
+                                  target_vocab_size=target.vocab_size)
+    target.capture_layers(resolve_capture_layers(cfg.eagle3_layers_to_capture, ckpt.config.aux_layer_ids,
+                                                 target.num_layers))
+    draft = Eagle3DraftModel.from_checkpoint(ckpt, target.num_layers, target.decoder.embed_tokens, dtype, device)
+    return Eagle3OneModelWorker(cfg.max_draft_len, draft)
+
+
+def _auto_num_pages(shapes: list[tuple[int, int]], page_size: int, wanted: int, cfg: EngineConfig,
+                    device: torch.device, dtype: torch.dtype) -> int:
+    """Pages for ``wanted`` on CPU; on GPU at most ``kv_cache_fraction`` of the free memory."""
+    if device.type != "cuda":
+        return wanted
+    bytes_per_page = 2 * page_size * sum(h * d for h, d in shapes) * torch.finfo(dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(2, min(wanted, int(free * cfg.kv_cache_fraction) // bytes_per_page))
+
+
+def _eos_token_ids(target: TargetModel, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(target.hf, "generation_config", None), target.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids |= set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -1,0 +1,86 @@
+"""TargetModel: a stock Hugging Face causal LM run on a packed batch through tllm_spec attention."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
+
+
+class TargetModel(nn.Module):
+    """Wraps ``AutoModelForCausalLM`` without forking it: the decoder runs with explicit positions and
+    ``use_cache=False``; K/V go to our paged cache; logits are computed only where asked.
+
+    Forward hooks capture the outputs of chosen decoder layers (EAGLE-3's aux hidden states).
+    """
+
+    def __init__(self, hf_model: PreTrainedModel):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.decoder = hf_model.get_decoder()
+        self.lm_head = hf_model.get_output_embeddings()
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype, device: torch.device) -> TargetModel:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"{path}: encoder-decoder models are not supported; tllm_spec needs a causal LM")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        return cls(hf.to(device).eval())
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of every decoder layer, in order."""
+        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return [(num_kv_heads, head_dim)] * self.num_layers
+
+    def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Capture the outputs of these decoder layers on every forward (ids are 0-based)."""
+        for i in layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"cannot capture layer {i}: the target has {self.num_layers} decoder layers")
+            self.decoder.layers[i].register_forward_hook(self._make_hook(i))
+        self._capture_ids = tuple(sorted(layer_ids))
+
+    def _make_hook(self, layer: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            self._captured[layer] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def captured_hidden(self) -> torch.Tensor:
+        """The captured layer outputs of the last forward, concatenated low -> high layer. [T, n*H]."""
+        return torch.cat([self._captured[i][0] for i in self._capture_ids], dim=-1)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states of a packed batch. input_ids [T] int64 -> [T, H]."""
+        out = self.decoder(input_ids=input_ids[None], position_ids=attn.positions[None], use_cache=False,
+                           tllm_attn=attn)
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R, V] in fp32."""
+        return self.lm_head(hidden).float()
