@@ -62,3 +62,22 @@ def random_head_for(config: PretrainedConfig, draft_vocab_size: int | None = Non
 def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = "eagle", **kwargs) -> Path:
     save_eagle3_checkpoint(path, random_head_for(config, **kwargs), dialect)
     return Path(path)
+
+
+def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
+                      device: str, seed: int = 0, **engine_kwargs):
+    """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
+    "eagle3" (a random head written to ``workdir`` and loaded through the real loader) or "none"."""
+    from .config import Eagle3Config
+    from .spec_model import SpecModel
+    from .target import TargetModel
+
+    config = AutoConfig.for_model("llama" if shape != "qwen3-8b" else "qwen3", **SHAPES[shape])
+    target = TargetModel.from_config(config, dtype, device, seed)
+    spec_config = None
+    if spec == "eagle3":
+        head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1)
+        spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len)
+    elif spec != "none":
+        raise ValueError(f"spec must be 'eagle3' or 'none', got {spec!r}")
+    return SpecModel.from_target(target, spec_config, **engine_kwargs)

@@ -10,7 +10,7 @@ from torch import nn
 
 from . import demo
 from .attention import AttentionMetadata
-from .config import EngineConfig, Eagle3Config, MTPConfig, SamplingParams
+from .config import EngineConfig, Eagle3Config, MTPConfig, RunConfig, SamplingParams
 from .drafts.eagle3 import Eagle3DraftModel, resolve_capture_layers
 from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
 from .engine import Engine, GenerationOutputs
@@ -52,11 +52,17 @@ class SpecModel(nn.Module):
         ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``).
         """
         device = _resolve_device(device)
-        dtype = _resolve_dtype(dtype, device)
-        engine_config = (engine_config or EngineConfig()).model_copy(update=engine_kwargs)
-        engine_config = EngineConfig.model_validate(engine_config.model_dump())
         target_dir = demo.resolve(target_dir)
-        target = TargetModel.load(target_dir, dtype, device)
+        target = TargetModel.load(target_dir, _resolve_dtype(dtype, device), device)
+        return cls.from_target(target, spec_config, engine_config, load_tokenizer(target_dir), **engine_kwargs)
+
+    @classmethod
+    def from_target(cls, target: TargetModel, spec_config: Eagle3Config | MTPConfig | None = None,
+                    engine_config: EngineConfig | None = None, tokenizer=None, **engine_kwargs) -> SpecModel:
+        """Wrap an already loaded (or randomly initialised) target and load the draft for it."""
+        engine_config = EngineConfig.model_validate({**(engine_config or EngineConfig()).model_dump(),
+                                                     **engine_kwargs})
+        dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
         mode = spec_config.spec_dec_mode if spec_config is not None else SpeculativeDecodingMode.NONE
         if mode.is_eagle3_one_model():
             worker = _eagle3_worker(target, spec_config, dtype, device)
@@ -64,7 +70,13 @@ class SpecModel(nn.Module):
             raise NotImplementedError("MTP one-model workers are not available yet in this version of tllm_spec")
         else:
             worker = PlainWorker()
-        return cls(target, worker, mode, engine_config, load_tokenizer(target_dir))
+        return cls(target, worker, mode, engine_config, tokenizer)
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig) -> SpecModel:
+        """Build from a validated YAML run file (``target_model: None`` = the embedded demo target)."""
+        return cls.from_pretrained(cfg.target_model or "demo://target", cfg.spec_config, dtype=cfg.dtype,
+                                   device=cfg.device, engine_config=cfg.engine)
 
     @property
     def device(self) -> torch.device:

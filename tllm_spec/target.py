@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
 
@@ -36,6 +36,15 @@ class TargetModel(nn.Module):
             raise ValueError(f"{path}: encoder-decoder models are not supported; tllm_spec needs a causal LM")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return cls(hf.to(device).eval())
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
+                    seed: int = 0) -> TargetModel:
+        """A randomly initialised target built directly on ``device`` (benchmarks, no checkpoint needed)."""
+        torch.manual_seed(seed)
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        return cls(hf.eval())
 
     @property
     def num_layers(self) -> int:

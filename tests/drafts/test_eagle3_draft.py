@@ -1,0 +1,73 @@
+"""The paged, cached draft passes equal a cache-free EAGLE-3 reference recomputed from scratch each step."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from tllm_spec import SamplingParams
+from tllm_spec.sampling import greedy_draft_tokens
+from tllm_spec.spec_model import SpecModel
+
+from ..models import eagle3, hf_model, tiny_pair
+
+
+def reference_layer(dm, token_ids, hidden):
+    """EAGLE-3 midlayer over a whole sequence with plain causal attention. [S], [S, H] -> pre-norm [S, H]."""
+    mid, attn = dm.midlayer, dm.midlayer.self_attn
+    normed = mid.hidden_norm(hidden)
+    x = torch.cat([mid.input_layernorm(dm.embed_tokens(token_ids)), normed], -1)
+    seq = len(token_ids)
+    q = attn.q_proj(x).view(seq, attn.num_heads, -1).transpose(0, 1)
+    k = attn.k_proj(x).view(seq, attn.num_kv_heads, -1).transpose(0, 1)
+    v = attn.v_proj(x).view(seq, attn.num_kv_heads, -1).transpose(0, 1)
+    cos, sin = dm.rotary_emb(hidden, torch.arange(seq)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=0)
+    rep = attn.num_heads // attn.num_kv_heads
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), is_causal=True)
+    h = hidden + attn.o_proj(o.transpose(0, 1).flatten(1))
+    return h + mid.mlp(mid.post_attention_layernorm(h))
+
+
+def reference_drafts(model, target, committed, k):
+    """Drafts after ``committed`` tokens (the last one has no target KV yet), recomputed without any cache."""
+    dm, layers = model.worker.draft_model, model.target._capture_ids
+    with torch.no_grad():
+        hs = hf_model(target)(torch.tensor([committed[:-1]]), output_hidden_states=True).hidden_states
+        hidden = dm.fc(torch.cat([hs[i + 1][0] for i in layers], -1))  # output of layer i = hidden_states[i+1]
+        tokens = torch.tensor(committed[1:])
+        drafts = []
+        for _ in range(k):
+            pre = reference_layer(dm, tokens, hidden)
+            drafts.append(greedy_draft_tokens(dm.compute_logits(pre[-1:]), dm.vocab_offsets).item())
+            tokens = torch.cat([tokens, torch.tensor([drafts[-1]])])
+            hidden = torch.cat([hidden, pre[-1:]])
+    return drafts
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 40])
+def test_cached_drafts_equal_cache_free_reference(draft_vocab_size):
+    target, head = tiny_pair("llama", draft_vocab_size=draft_vocab_size, head_scale=12.0)
+    k, prompts = 3, [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40]]
+    model = SpecModel.from_pretrained(target, eagle3(head, k), max_batch_size=2)
+    proposals = []  # (slot, drafts) per request per step
+    original = model.worker.draft
+
+    def recording_draft(*args):
+        drafts = original(*args)
+        proposals.append(drafts.tolist())
+        return drafts
+
+    model.worker.draft = recording_draft
+    outs = model.generate(prompts, SamplingParams(max_new_tokens=8))
+    checked = 0
+    # after step s, request b has committed prompt + output[:accepted so far]
+    for b, (prompt, out) in enumerate(zip(prompts, outs)):
+        committed_lens = [1] + [n for n in out.stats.accepted_per_step]
+        total = 0
+        for step, n in enumerate(committed_lens):
+            total += n
+            if total > len(out.token_ids) - 1:
+                break  # the request finished in this step; later rows belong to others
+            assert proposals[step][b] == reference_drafts(model, target, prompt + out.token_ids[:total], k), step
+            checked += 1
+    assert checked >= 10

@@ -1,0 +1,53 @@
+"""Tiny random models for the tests: built from configs, saved, loaded through the real loaders."""
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tllm_spec import Eagle3Config
+from tllm_spec.drafts.eagle3_checkpoint import save_eagle3_checkpoint
+from tllm_spec.random_models import random_head_for, save_random_target, target_config
+
+_ROOT = Path(tempfile.mkdtemp(prefix="tllm_spec_tests_"))
+ARCH_DIALECT = {"llama": "eagle", "qwen2": "speculators", "qwen3": "angelslim", "mistral": "eagle"}
+ARCH_OVERRIDES = {"mistral": {"sliding_window": 7}, "qwen2": {}, "qwen3": {"head_dim": 32}, "llama": {}}
+
+
+@cache
+def tiny_pair(arch: str = "llama", vocab_size: int = 97, draft_vocab_size: int | None = None, seed: int = 0,
+              head_scale: float = 1.0) -> tuple[Path, Path]:
+    """(target_dir, head_dir) of a tiny random ``arch`` target and a random EAGLE-3 head in its dialect.
+
+    ``head_scale`` multiplies the head's matrices: > 1 makes its attention sharp enough that a wrong
+    position or a stale cache entry changes the drafts.
+    """
+    cfg = target_config(arch, vocab_size=vocab_size, **ARCH_OVERRIDES[arch])
+    root = _ROOT / f"{arch}-{vocab_size}-{draft_vocab_size}-{seed}-{head_scale}"
+    target = save_random_target(root / "target", cfg, seed=seed)
+    ckpt = random_head_for(cfg, draft_vocab_size=draft_vocab_size, seed=seed + 1)
+    for name, tensor in ckpt.state_dict.items():
+        if tensor.dim() == 2 and tensor.is_floating_point():
+            tensor.mul_(head_scale)
+    save_eagle3_checkpoint(root / "head", ckpt, ARCH_DIALECT[arch])
+    return target, root / "head"
+
+
+def eagle3(head: Path, k: int) -> Eagle3Config:
+    return Eagle3Config(speculative_model=str(head), max_draft_len=k)
+
+
+@cache
+def hf_model(target: Path):
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+
+def hf_greedy(target: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy continuation (HF generate), exactly max_new_tokens long."""
+    with torch.no_grad():
+        out = hf_model(target).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                        min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
