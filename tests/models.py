@@ -47,7 +47,8 @@ def hf_model(target: Path):
 
 def hf_greedy(target: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The target's own greedy continuation (HF generate), exactly max_new_tokens long."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf_model(target).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+        out = hf_model(target).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()

@@ -2,6 +2,7 @@
 append accepted tokens, stop, free pages."""
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from collections import deque
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from .attention import AttentionMetadata
 from .config import SamplingParams
 from .request import AcceptanceStats, Request, RequestOutput
 
@@ -66,6 +66,8 @@ class Engine:
         vocab = self.model.target.vocab_size
         if len(prompt) == 0:
             return "empty prompt"
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            return "token ids must be integers"
         if min(prompt) < 0 or max(prompt) >= vocab:
             return f"token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}"
         if len(prompt) + self.k + 1 > self.max_seq_len:
@@ -82,7 +84,7 @@ class Engine:
 
     def _new_request(self, index: int, prompt: Sequence[int], p: SamplingParams) -> Request:
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.model.eos_token_ids))
-        return Request(index, list(prompt), p, frozenset(stop_ids),
+        return Request(index, [int(t) for t in prompt], p, frozenset(stop_ids),
                        min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k))
 
     def _admit(self, waiting: deque[Request], num_running: int) -> list[Request]:
@@ -101,7 +103,6 @@ class Engine:
 
     def _step(self, batch: list[Request], bar: tqdm) -> None:
         """One forward for the batch (context requests first), then update every request on the host."""
-        device = self.model.device
         contexts = [r for r in batch if r.is_context]
         ids, positions, slots = [], [], []
         for r in batch:
@@ -109,13 +110,10 @@ class Engine:
             ids += tokens
             positions += range(r.num_cached, r.num_cached + len(tokens))
             slots += [r.slot] * len(tokens)
-        gen = [r.next_input[1:] for r in batch if not r.is_context]
-        draft_tokens = torch.tensor(gen, dtype=torch.int64).view(len(gen), self.k).to(device)
-        self.model.spec_metadata.prepare([r.params for r in batch], [len(r.prompt) for r in contexts])
-        attn = AttentionMetadata.build(self.kv, torch.tensor(slots, device=device),
-                                       torch.tensor(positions, device=device), max(positions) + self.k + 2)
-        out = self.model(torch.tensor(ids, device=device), attn, draft_tokens)
-        host = torch.cat([out["new_tokens"], out["new_tokens_lens"][:, None], out["next_new_tokens"]], 1).cpu()
+        drafts = [t for r in batch if not r.is_context for t in r.next_input[1:]]
+        packed = self.model.step(ids, positions, slots, drafts, [r.params for r in batch],
+                                 tuple(len(r.prompt) for r in contexts))
+        host = packed.cpu()  # the step's one device-to-host copy
         for r, row in zip(batch, host.tolist()):
             n = row[self.k + 1]
             if r.is_context:

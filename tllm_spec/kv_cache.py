@@ -24,8 +24,10 @@ class KVCache:
         self.max_pages_per_request = math.ceil(max_tokens_per_request / page_size)
         self.k = [torch.zeros(num_pages, page_size, h, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.block_tables = torch.full((max_requests, self.max_pages_per_request), SCRATCH_PAGE,
+        # one extra row, never allocated: the slot of CUDA-graph padding rows (all scratch)
+        self.block_tables = torch.full((max_requests + 1, self.max_pages_per_request), SCRATCH_PAGE,
                                        dtype=torch.int32, device=device)
+        self.padding_slot = max_requests
         self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}

@@ -13,6 +13,7 @@ from .attention import AttentionMetadata
 from .config import EngineConfig, Eagle3Config, MTPConfig, RunConfig, SamplingParams
 from .drafts.eagle3 import Eagle3DraftModel, resolve_capture_layers
 from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
+from .cuda_graphs import CUDAGraphRunner, pack_outputs
 from .engine import Engine, GenerationOutputs
 from .kv_cache import KVCache
 from .metadata import SpecMetadata
@@ -42,6 +43,8 @@ class SpecModel(nn.Module):
         self.spec_metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, self.device)
         self.kv_cache = self._make_kv_cache()
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
+        use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
+        self.graph_runner = CUDAGraphRunner(self) if use_graphs else None
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, spec_config: Eagle3Config | MTPConfig | None = None,
@@ -94,11 +97,26 @@ class SpecModel(nn.Module):
         features = self.target.captured_hidden() if self.mode.is_eagle3_one_model() else hidden
         return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
 
+    def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
+             params: list[SamplingParams], context_lens: tuple[int, ...]) -> torch.Tensor:
+        """Run one step from host-side inputs (flat layout, context requests first); returns the packed
+        outputs [B, 2K+3] on the device. Generation-only batches replay a CUDA graph when one is enabled."""
+        num_gen = len(params) - len(context_lens)
+        if self.graph_runner is not None and not context_lens and self.graph_runner.bucket(num_gen):
+            return self.graph_runner.run(ids, positions, slots, drafts, params)
+        self.spec_metadata.prepare(params, context_lens)
+        device = self.device
+        attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
+                                       torch.tensor(positions, device=device),
+                                       max(positions) + 2 * self.max_draft_len + 2, context_lens)
+        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, self.max_draft_len)
+        return pack_outputs(self(torch.tensor(ids, device=device), attn, draft_tokens))
+
     @torch.inference_mode()
     def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, seed: int = 0, progress: bool = False) -> GenerationOutputs:
         """Decode a batch of prompts (strings need the target's tokenizer) to completion."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, (list, tuple)) or any(not isinstance(p, (str, list, tuple)) for p in prompts):
             raise TypeError("prompts must be a list of strings or of token-id lists")
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

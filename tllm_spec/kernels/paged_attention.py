@@ -1,13 +1,20 @@
 """Paged causal attention: each query token attends to its request's cached positions <= its own.
 
-One op covers ragged prefill, K+1-token verification and 1-token draft steps, because the only inputs are
-device tensors: the request slot and position of every query token. Lengths never reach the host.
+One op covers K+1-token verification and 1-token draft steps (and, in the reference, ragged prefill),
+because its only per-token inputs are device tensors: the request slot and the position of every query
+token. Lengths never reach the host, so the op can sit inside a CUDA graph.
 """
 from __future__ import annotations
 
 import torch
 
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
+
+try:  # triton is a GPU extra: the package imports and runs without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines
+    triton = None
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,6 +54,72 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
                     sliding_window: int | None = None) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA when available, else the reference."""
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                               sliding_window)
+    """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference."""
+    if triton is None or not q.is_cuda:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                                   sliding_window)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous q/k/v expected"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and num_q_heads % num_kv_heads == 0
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, token_slots, positions, out, scale,
+        block_tables.stride(0), sliding_window or 0,
+        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=64, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
+                                scale, bt_stride, window, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program per (query token, KV head): the GROUP query heads sharing that KV head, online softmax
+        over key blocks 0..position (or the sliding window)."""
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        slot = tl.load(token_slots_ptr + token).to(tl.int64)
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        heads = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        head_ok = heads < GROUP
+        dim_ok = dims < HEAD_DIM
+        q_rows = (token * NUM_KV_HEADS * GROUP + kv_head * GROUP + heads) * HEAD_DIM
+        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        start = pos * 0
+        if window > 0:
+            start = (tl.maximum(pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        while start <= pos:  # a while loop: the bound is a loaded value
+            kpos = start + tl.arange(0, BLOCK_N)
+            visible = kpos <= pos
+            if window > 0:
+                visible = visible & (kpos > pos - window)
+            page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=visible, other=0)
+            kv_rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            kv_mask = visible[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+            start += BLOCK_N
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & dim_ok[None, :])

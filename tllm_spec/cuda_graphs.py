@@ -1,0 +1,96 @@
+"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket.
+
+Inputs live in one static int64 buffer (token ids, positions, slots, drafts), refilled by a single
+host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
+to its bucket with greedy dummy requests whose block-table row points only at the scratch page, so their
+K/V writes land where nobody reads. Target verify, acceptance, sampling and all K draft passes replay as
+one graph.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import AttentionMetadata
+from .config import SamplingParams
+
+if TYPE_CHECKING:
+    from .spec_model import SpecModel
+
+_DUMMY = SamplingParams()  # greedy
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to max_batch_size (always included)."""
+    sizes, size = [], 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size = size * 2 if size < 16 else size + (8 if size < 32 else 16)
+    return sizes + [max_batch_size]
+
+
+def pack_outputs(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """new_tokens [B,K+1] | new_tokens_lens [B,1] | next_new_tokens [B,K+1] -> [B, 2K+3] int64 (one D2H copy)."""
+    return torch.cat([out["new_tokens"], out["new_tokens_lens"][:, None], out["next_new_tokens"]], dim=1)
+
+
+class CUDAGraphRunner:
+    """Captures lazily, on the first step of each bucket; replays afterwards."""
+
+    def __init__(self, model: SpecModel):
+        self.model = model
+        self.k = model.max_draft_len
+        self.buckets = batch_buckets(model.max_batch_size)
+        max_tokens = self.buckets[-1] * (self.k + 1)
+        self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
+        self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def bucket(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
+            params: list[SamplingParams]) -> torch.Tensor:
+        """One generation-only step; returns the packed outputs [B, 2K+3] of the real requests."""
+        batch = len(params)
+        size = self.bucket(batch)
+        pad = size - batch
+        tokens = size * (self.k + 1)
+        pad_slot = self.model.kv_cache.padding_slot
+        rows = (ids + [0] * (pad * (self.k + 1)), positions + list(range(self.k + 1)) * pad,
+                slots + [pad_slot] * (pad * (self.k + 1)), drafts + [0] * (pad * self.k + size))
+        self.host_inputs[:, :tokens] = torch.tensor(rows, dtype=torch.int64)
+        self.inputs[:, :tokens].copy_(self.host_inputs[:, :tokens], non_blocking=True)
+        self.model.spec_metadata.prepare(params + [_DUMMY] * pad, ())
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, packed = self.graphs[size]
+        graph.replay()
+        return packed[:batch]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        tokens = size * (self.k + 1)
+        ids, positions, slots = self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens]
+        drafts = self.inputs[3, :size * self.k].view(size, self.k)
+        kv = self.model.kv_cache
+        attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size)
+        return pack_outputs(self.model(ids, attn, drafts))
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so
+        warm-up and capture draw no numbers the caller would see."""
+        seed = self.model.spec_metadata.seed.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            packed = self._forward(size)
+        self.pool = graph.pool()
+        self.model.spec_metadata.seed.copy_(seed)
+        return graph, packed
