@@ -7,6 +7,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +48,7 @@ class Engine:
                 waiting.append(self._new_request(i, prompt, p))
         self.model.spec_metadata.reseed(seed)
         start, total = time.perf_counter(), AcceptanceStats(self.k)
+        self.decode = DecodeTimer()
         running: list[Request] = []
         with tqdm(total=sum(r.max_total_tokens - len(r.prompt) for r in waiting), unit="tok",
                   disable=not progress, desc="generate") as bar:
@@ -103,6 +105,7 @@ class Engine:
 
     def _step(self, batch: list[Request], bar: tqdm) -> None:
         """One forward for the batch (context requests first), then update every request on the host."""
+        start = time.perf_counter()
         contexts = [r for r in batch if r.is_context]
         ids, positions, slots = [], [], []
         for r in batch:
@@ -113,7 +116,9 @@ class Engine:
         drafts = [t for r in batch if not r.is_context for t in r.next_input[1:]]
         packed = self.model.step(ids, positions, slots, drafts, [r.params for r in batch],
                                  tuple(len(r.prompt) for r in contexts))
+        launched = time.perf_counter()
         host = packed.cpu()  # the step's one device-to-host copy
+        waited = time.perf_counter()
         for r, row in zip(batch, host.tolist()):
             n = row[self.k + 1]
             if r.is_context:
@@ -125,6 +130,9 @@ class Engine:
             before = len(r.output)
             r.append(row[:n])
             bar.update(len(r.output) - before)
+        if not contexts:
+            done = time.perf_counter()
+            self.decode.record(done - start, (launched - start) + (done - waited), len(batch))
 
     def _finish(self, outputs: list[RequestOutput | None], total: AcceptanceStats,
                 seconds: float) -> GenerationOutputs:
@@ -132,5 +140,28 @@ class Engine:
         num_tokens = sum(len(o.token_ids) for o in outputs)
         result.stats = {"num_requests": len(outputs), "num_tokens": num_tokens, "seconds": round(seconds, 4),
                         "tokens_per_second": round(num_tokens / seconds, 2) if seconds > 0 else 0.0,
-                        **total.summary()}
+                        **total.summary(), **self.decode.summary()}
         return result
+
+
+@dataclass
+class DecodeTimer:
+    """Wall time of generation-only steps; host time = the step minus its wait for the device."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    host_seconds: float = 0.0
+    request_steps: int = 0
+
+    def record(self, seconds: float, host_seconds: float, batch_size: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.host_seconds += host_seconds
+        self.request_steps += batch_size
+
+    def summary(self) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        return {"decode_steps": self.steps, "decode_seconds": round(self.seconds, 6),
+                "step_ms": round(1e3 * self.seconds / steps, 4),
+                "host_ms_per_step": round(1e3 * self.host_seconds / steps, 4),
+                "mean_decode_batch": round(self.request_steps / steps, 3)}

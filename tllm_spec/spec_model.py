@@ -15,6 +15,7 @@ from .drafts.eagle3 import Eagle3DraftModel, resolve_capture_layers
 from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
 from .cuda_graphs import CUDAGraphRunner, pack_outputs
 from .engine import Engine, GenerationOutputs
+from .forced_acceptance import read_forced_num_accepted
 from .kv_cache import KVCache
 from .metadata import SpecMetadata
 from .modes import SpeculativeDecodingMode
@@ -22,6 +23,7 @@ from .target import TargetModel
 from .tokenizer import load_tokenizer
 from .workers.base import SpecWorkerBase
 from .workers.eagle3 import Eagle3OneModelWorker
+from .workers.mtp import build_mtp_worker
 from .workers.plain import PlainWorker
 
 _DEFAULT_MAX_SEQ_LEN = 8192
@@ -70,7 +72,7 @@ class SpecModel(nn.Module):
         if mode.is_eagle3_one_model():
             worker = _eagle3_worker(target, spec_config, dtype, device)
         elif mode.is_mtp_one_model():
-            raise NotImplementedError("MTP one-model workers are not available yet in this version of tllm_spec")
+            worker = build_mtp_worker(target, spec_config, engine_config.max_batch_size)
         else:
             worker = PlainWorker()
         return cls(target, worker, mode, engine_config, tokenizer)
@@ -80,6 +82,13 @@ class SpecModel(nn.Module):
         """Build from a validated YAML run file (``target_model: None`` = the embedded demo target)."""
         return cls.from_pretrained(cfg.target_model or "demo://target", cfg.spec_config, dtype=cfg.dtype,
                                    device=cfg.device, engine_config=cfg.engine)
+
+    def refresh_forced_acceptance(self) -> None:
+        """Re-read TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS (benchmark sweeps); captured graphs are dropped
+        because the forcing is baked into them."""
+        self.worker.forced_num_accepted = read_forced_num_accepted()
+        if self.graph_runner is not None:
+            self.graph_runner = CUDAGraphRunner(self)
 
     @property
     def device(self) -> torch.device:

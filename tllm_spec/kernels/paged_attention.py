@@ -72,7 +72,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0), sliding_window or 0,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=64, num_warps=4)
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=64,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
 
@@ -82,7 +83,7 @@ if triton is not None:
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
                                 scale, bt_stride, window, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One program per (query token, KV head): the GROUP query heads sharing that KV head, online softmax
         over key blocks 0..position (or the sliding window)."""
         token = tl.program_id(0)
@@ -110,14 +111,14 @@ if triton is not None:
             kv_rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
             kv_mask = visible[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
             s = tl.where(visible[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
             m_i = m_new
             start += BLOCK_N
         acc = acc / l_i[:, None]

@@ -1,0 +1,131 @@
+"""Decode speed of one-model speculative decoding vs plain decoding, the memory roofline and HF generate.
+
+Random-weight target of a named shape and a random EAGLE-3 head (no download); acceptance is set with
+TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
+
+    python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
+    python scripts/benchmark.py --plot-only runs/bench/benchmark.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from tllm_spec.benchmark import hf_generate_tokens_per_second, measure_bandwidth, run_point, to_rows
+from tllm_spec.random_models import SHAPES, random_spec_model
+from tllm_spec.spec_model import SpecModel
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    p.add_argument("-k", "--max-draft-len", type=int, default=3)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--hf-static-batches", type=int, nargs="*", default=[1], help="HF static-cache baseline here")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--out", default="runs/benchmark")
+    p.add_argument("--plot-only", help="re-plot an earlier benchmark.json")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    k = args.max_draft_len
+    forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
+    bandwidth = measure_bandwidth(device)
+    engine = dict(max_batch_size=max(args.batches), max_seq_len=args.prompt_len + args.new_tokens + 8)
+    with tempfile.TemporaryDirectory() as workdir:
+        spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine)
+    plain = SpecModel.from_target(spec.target, None, **engine)
+    results = {"gpu": torch.cuda.get_device_name(device), "shape": args.shape, "k": k, "dtype": "bfloat16",
+               "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": []}
+    jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in forced]
+    for batch, f, model in tqdm(jobs, desc="benchmark"):
+        point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])
+        results["points"] += to_rows([point])
+        (out / "benchmark.json").write_text(json.dumps(results, indent=2))  # partial results survive a crash
+        tqdm.write(f"{point.mode:6s} batch {batch:3d} forced {f!s:5s} step {point.step_ms:7.2f} ms  "
+                   f"{point.tokens_per_second:9.1f} tok/s  roofline {point.roofline_fraction:5.1%}  "
+                   f"host {point.host_ms_per_step:.3f} ms")
+    if not args.no_hf:
+        for batch in args.batches:
+            for static in (False, batch in args.hf_static_batches):
+                tps = hf_generate_tokens_per_second(spec, batch, args.prompt_len, args.new_tokens, static)
+                results["hf"].append({"batch": batch, "static_cache": static, "tokens_per_second": tps})
+                tqdm.write(f"HF generate batch {batch} static={static}: {tps:.1f} tok/s")
+                if not static:
+                    break
+    (out / "benchmark.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    plot(results, out / "benchmark.png")
+
+
+def table(results: dict) -> str:
+    lines = [f"{results['gpu']}, {results['shape']} random weights, bf16, K={results['k']}, prompt "
+             f"{results['prompt_len']}, {results['new_tokens']} new tokens, {results['date']}; GEMV bandwidth "
+             f"{results['bandwidth_bytes_per_s']['gemv'] / 1e12:.2f} TB/s",
+             "| mode | batch | forced drafts | tokens/step | step ms | tok/s | roofline tok/s | of roofline | host ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        lines.append(f"| {p['mode']} | {p['batch']} | {p['forced_drafts'] if p['forced_drafts'] is not None else '-'} "
+                     f"| {p['tokens_per_step']:.2f} | {p['step_ms']:.2f} | {p['tokens_per_second']:.1f} | "
+                     f"{p['roofline_tokens_per_second']:.1f} | {p['roofline_fraction']:.1%} | "
+                     f"{p['host_ms_per_step']:.3f} |")
+    for h in results["hf"]:
+        lines.append(f"| HF generate{' (static cache)' if h['static_cache'] else ''} | {h['batch']} | - | 1 | - | "
+                     f"{h['tokens_per_second']:.1f} | - | - | - |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: plot skipped (pip install matplotlib; then --plot-only)")
+        return
+    batches = sorted({p["batch"] for p in results["points"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        spec = sorted((p for p in results["points"] if p["batch"] == batch and p["mode"] == "eagle3"),
+                      key=lambda p: p["forced_drafts"])
+        x = [p["forced_drafts"] for p in spec]
+        ax.plot(x, [p["tokens_per_second"] for p in spec], "o-", label="EAGLE-3 (measured)")
+        ax.plot(x, [p["roofline_tokens_per_second"] for p in spec], "--", color="grey", label="memory roofline")
+        for p in results["points"]:
+            if p["batch"] == batch and p["mode"] == "none":
+                ax.axhline(p["tokens_per_second"], color="C1", label="no speculation (same engine)")
+        for h in results["hf"]:
+            if h["batch"] == batch:
+                ax.axhline(h["tokens_per_second"], color="C2" if h["static_cache"] else "C3", linestyle=":",
+                           label="HF generate" + (" static cache" if h["static_cache"] else ""))
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("accepted drafts per step (forced)")
+        ax.set_ylabel("tokens / s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{results['gpu']} — {results['shape']} bf16, K={results['k']} ({results['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

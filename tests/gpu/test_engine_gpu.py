@@ -1,0 +1,80 @@
+"""The graphed engine on the GPU: replay == eager, lossless greedy, no host sync inside the step."""
+import pytest
+import torch
+
+from tllm_spec import SamplingParams
+from tllm_spec.spec_model import SpecModel
+
+from ..models import eagle3, hf_greedy, tiny_pair
+
+pytestmark = pytest.mark.cuda
+PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
+MAX_NEW = [20, 9, 17, 25, 12]
+
+
+def _model(arch, k, dtype, eager, **kw):
+    target, head = tiny_pair(arch)
+    spec = eagle3(head, k) if k else None
+    return target, SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=8,
+                                             enforce_eager=eager, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_graphed_greedy_is_lossless_fp32(arch, k):
+    target, model = _model(arch, k, torch.float32, eager=False)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    assert model.graph_runner is not None and model.graph_runner.graphs, "no CUDA graph was used"
+    for p, n, out in zip(PROMPTS, MAX_NEW, outs):
+        assert out.token_ids == hf_greedy(target, p, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_equals_eager(dtype):
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=0.95)
+              for i, n in enumerate(MAX_NEW)]
+    _, graphed = _model("llama", 3, dtype, eager=False)
+    _, eager = _model("llama", 3, dtype, eager=True)
+    a = graphed.generate(PROMPTS, params, seed=5)
+    b = eager.generate(PROMPTS, params, seed=5)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids  # same seed stream: sampled rows equal too
+        assert x.stats.accepted_per_step == y.stats.accepted_per_step
+
+
+def test_forced_acceptance_inside_graph(monkeypatch):
+    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", "1.5")
+    _, model = _model("llama", 3, torch.bfloat16, eager=False)
+    outs = model.generate(PROMPTS, SamplingParams(max_new_tokens=40))
+    per_step = [n for o in outs for n in o.stats.accepted_per_step]
+    assert set(per_step) == {2, 3}
+    assert 0.3 < per_step.count(3) / len(per_step) < 0.7
+
+
+def test_no_host_sync_inside_generation_step():
+    _, model = _model("llama", 3, torch.float32, eager=True)
+    model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))  # warm-up: JIT, allocations
+    original = model.forward
+
+    def strict_forward(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    model.forward = strict_forward
+    calls = []
+    step = model.step
+
+    def generation_only(ids, positions, slots, drafts, params, context_lens):
+        calls.append(bool(context_lens))
+        if context_lens:  # prefill is allowed to plan on the host
+            model.forward = original
+        else:
+            model.forward = strict_forward
+        return step(ids, positions, slots, drafts, params, context_lens)
+
+    model.step = generation_only
+    model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))
+    assert calls.count(False) >= 3

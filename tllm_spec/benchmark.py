@@ -1,0 +1,128 @@
+"""Decode-speed measurement against the memory roofline and HF generate, on random-weight models."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import SamplingParams
+from .forced_acceptance import ENV_VAR
+from .spec_model import SpecModel
+
+
+@dataclass
+class Point:
+    """One measured configuration."""
+
+    mode: str  # "eagle3" or "none"
+    batch: int
+    forced_drafts: float | None  # forced accepted drafts per step (None: no speculation)
+    step_ms: float
+    host_ms_per_step: float
+    tokens_per_step: float  # per request, bonus included
+    tokens_per_second: float
+    roofline_bytes_per_step: float
+    roofline_tokens_per_second: float
+    roofline_fraction: float
+    peak_memory_gib: float
+
+
+def measure_bandwidth(device: torch.device, gib: float = 2.0) -> dict[str, float]:
+    """HBM read bandwidth seen by a bf16 GEMV (what decoding does) and by a plain reduction, in bytes/s."""
+    cols = 8192
+    rows = int(gib * 2**30 / 2 / cols)
+    weight = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+    vec = torch.randn(cols, 1, device=device, dtype=torch.bfloat16)
+    nbytes = weight.numel() * 2
+    rates = {}
+    for name, fn in (("gemv", lambda: weight @ vec), ("read", lambda: weight.sum(dtype=torch.float32))):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize(device)
+        rates[name] = nbytes * 20 / (time.perf_counter() - start)
+    del weight
+    return rates
+
+
+def _param_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> int:
+    skipped = {id(p) for m in skip for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skipped)
+
+
+def step_bytes(model: SpecModel, batch: int, context_len: float) -> float:
+    """Bytes a generation step must read at least: target weights once, draft weights per pass, KV."""
+    target = model.target
+    embed = target.decoder.embed_tokens
+    tied = embed.weight is target.lm_head.weight
+    total = _param_bytes(target.hf, skip=() if tied else (embed,))
+    kv = model.kv_cache
+    elem = kv.k[0].element_size()
+    per_token_kv = [2 * k.shape[2] * k.shape[3] * elem for k in kv.k]
+    total += batch * context_len * sum(per_token_kv[:target.num_layers])
+    k = model.max_draft_len
+    if k:
+        draft = model.worker.draft_model
+        fc = _param_bytes(draft.fc)
+        shared = (draft.embed_tokens,) if draft.embed_tokens is embed else ()
+        per_pass = _param_bytes(draft, skip=(draft.fc, draft.embed_tokens, *shared))
+        total += fc + k * per_pass + k * batch * context_len * sum(per_token_kv[target.num_layers:])
+    return total
+
+
+def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, forced: float | None,
+              bandwidth: float, seed: int = 0) -> Point:
+    """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone)."""
+    if forced is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        os.environ[ENV_VAR] = str(forced)
+    model.refresh_forced_acceptance()
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, model.target.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    model.generate(prompts, params.model_copy(update={"max_new_tokens": 2 * model.max_draft_len + 4}))  # capture
+    torch.cuda.reset_peak_memory_stats(model.device)
+    stats = model.generate(prompts, params, seed=seed).stats
+    per_step = stats["mean_accepted_length"] or 1.0
+    step_s = stats["step_ms"] / 1e3
+    bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2)
+    roofline_tps = batch * per_step * bandwidth / bytes_per_step
+    tps = stats["mean_decode_batch"] * per_step / step_s
+    return Point("eagle3" if model.max_draft_len else "none", batch, forced, stats["step_ms"],
+                 stats["host_ms_per_step"], per_step, tps, bytes_per_step, roofline_tps, tps / roofline_tps,
+                 torch.cuda.max_memory_allocated(model.device) / 2**30)
+
+
+def hf_generate_tokens_per_second(model: SpecModel, batch: int, prompt_len: int, new_tokens: int,
+                                  static_cache: bool) -> float:
+    """HF generate on the same weights (SDPA attention), decode rate from two lengths (prefill cancels)."""
+    hf = model.target.hf
+    hf.set_attn_implementation("sdpa")
+    try:
+        ids = torch.randint(0, model.target.vocab_size, (batch, prompt_len), device=model.device)
+        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+        if static_cache:
+            kwargs["cache_implementation"] = "static"
+
+        def timed(n: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        timed(new_tokens)  # warm-up (and compilation for the static cache)
+        short, full = timed(2), timed(new_tokens)
+        return batch * (new_tokens - 2) / (full - short)
+    finally:
+        hf.set_attn_implementation("tllm_spec")
+
+
+def to_rows(points: list[Point]) -> list[dict]:
+    return [asdict(p) for p in points]
