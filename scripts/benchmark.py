@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tllm_spec.benchmark import hf_generate_tokens_per_second, measure_bandwidth, run_point, to_rows
+from tllm_spec.benchmark import (format_profile, hf_generate_tokens_per_second, measure_bandwidth, profile_step,
+                                 run_point, to_rows)
 from tllm_spec.random_models import SHAPES, random_spec_model
 from tllm_spec.spec_model import SpecModel
 
@@ -32,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hf-static-batches", type=int, nargs="*", default=[1], help="HF static-cache baseline here")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of eager steps at batch 1")
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json")
     return p.parse_args()
@@ -54,7 +56,7 @@ def main() -> None:
     plain = SpecModel.from_target(spec.target, None, **engine)
     results = {"gpu": torch.cuda.get_device_name(device), "shape": args.shape, "k": k, "dtype": "bfloat16",
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": []}
+               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": []}
     jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in forced]
     for batch, f, model in tqdm(jobs, desc="benchmark"):
         point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])
@@ -63,14 +65,16 @@ def main() -> None:
         tqdm.write(f"{point.mode:6s} batch {batch:3d} forced {f!s:5s} step {point.step_ms:7.2f} ms  "
                    f"{point.tokens_per_second:9.1f} tok/s  roofline {point.roofline_fraction:5.1%}  "
                    f"host {point.host_ms_per_step:.3f} ms")
-    if not args.no_hf:
-        for batch in args.batches:
-            for static in (False, batch in args.hf_static_batches):
-                tps = hf_generate_tokens_per_second(spec, batch, args.prompt_len, args.new_tokens, static)
-                results["hf"].append({"batch": batch, "static_cache": static, "tokens_per_second": tps})
-                tqdm.write(f"HF generate batch {batch} static={static}: {tps:.1f} tok/s")
-                if not static:
-                    break
+    if args.profile:
+        for model, forced in ((plain, None), (spec, float(k))):
+            results["profile"].append(profile_step(model, 1, args.prompt_len, forced))
+            print(format_profile(results["profile"][-1]))
+    hf_runs = [] if args.no_hf else [(b, False) for b in args.batches] + [(b, True) for b in args.hf_static_batches]
+    for batch, static in hf_runs:
+        tps = hf_generate_tokens_per_second(spec, batch, args.prompt_len, args.new_tokens, static)
+        results["hf"].append({"batch": batch, "static_cache": static, "tokens_per_second": tps})
+        (out / "benchmark.json").write_text(json.dumps(results, indent=2))
+        tqdm.write(f"HF generate batch {batch} static={static}: {tps:.1f} tok/s")
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     plot(results, out / "benchmark.png")

@@ -126,3 +126,55 @@ def hf_generate_tokens_per_second(model: SpecModel, batch: int, prompt_len: int,
 
 def to_rows(points: list[Point]) -> list[dict]:
     return [asdict(p) for p in points]
+
+
+_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk")),
+                  ("paged attention (triton)", ("_paged_attention_kernel",)),
+                  ("sampling (flashinfer)", ("sampling", "TopK", "flashinfer")),
+                  ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
+                  ("reduce / norm", ("reduce", "norm", "mean")))
+
+
+def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | None, steps: int = 8) -> dict:
+    """GPU kernel time of eager generation steps, grouped by kind, per step (compare with the graphed step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if forced is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        os.environ[ENV_VAR] = str(forced)
+    model.refresh_forced_acceptance()
+    runner, model.graph_runner = model.graph_runner, None  # eager: one kernel launch per op, all visible
+    try:
+        prompts = [list(range(1, prompt_len + 1))] * batch
+        params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
+        model.generate(prompts, params)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            stats = model.generate(prompts, params).stats
+    finally:
+        model.graph_runner = runner
+    num_steps = stats["decode_steps"] + 1  # + the context step, profiled too
+    groups: dict[str, float] = {}
+    kernels = 0
+    for evt in prof.key_averages():
+        us = evt.device_time_total
+        if evt.device_type != DeviceType.CUDA or not us:
+            continue
+        kernels += evt.count
+        name = evt.key
+        group = next((g for g, keys in _KERNEL_GROUPS if any(k.lower() in name.lower() for k in keys)),
+                     "elementwise / other")
+        groups[group] = groups.get(group, 0.0) + us / num_steps
+    return {"mode": "eagle3" if model.max_draft_len else "none", "batch": batch, "forced_drafts": forced,
+            "kernel_us_per_step": {g: round(v, 1) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
+            "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / num_steps,
+            "eager_step_ms": stats["step_ms"]}
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"profile {p['mode']} batch {p['batch']} forced {p['forced_drafts']}: "
+             f"{p['total_kernel_us_per_step'] / 1e3:.2f} ms of kernels per step in {p['kernels_per_step']:.0f} "
+             f"launches (eager step {p['eager_step_ms']:.2f} ms)"]
+    lines += [f"  {g:28s} {us / 1e3:7.3f} ms" for g, us in p["kernel_us_per_step"].items()]
+    return "\n".join(lines)

@@ -51,12 +51,28 @@ class CUDAGraphRunner:
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (on all-padding inputs), so no step later pays for a capture."""
+        for size in self.buckets:
+            if size not in self.graphs:
+                self._fill([], [], [], [], [], size)
+                self.graphs[size] = self._capture(size)
+
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
             params: list[SamplingParams]) -> torch.Tensor:
         """One generation-only step; returns the packed outputs [B, 2K+3] of the real requests."""
-        batch = len(params)
-        size = self.bucket(batch)
-        pad = size - batch
+        size = self.bucket(len(params))
+        self._fill(ids, positions, slots, drafts, params, size)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, packed = self.graphs[size]
+        graph.replay()
+        return packed[:len(params)]
+
+    def _fill(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
+              params: list[SamplingParams], size: int) -> None:
+        """Copy one step's inputs, padded to ``size`` requests, into the static buffers."""
+        pad = size - len(params)
         tokens = size * (self.k + 1)
         pad_slot = self.model.kv_cache.padding_slot
         rows = (ids + [0] * (pad * (self.k + 1)), positions + list(range(self.k + 1)) * pad,
@@ -64,11 +80,6 @@ class CUDAGraphRunner:
         self.host_inputs[:, :tokens] = torch.tensor(rows, dtype=torch.int64)
         self.inputs[:, :tokens].copy_(self.host_inputs[:, :tokens], non_blocking=True)
         self.model.spec_metadata.prepare(params + [_DUMMY] * pad, ())
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, packed = self.graphs[size]
-        graph.replay()
-        return packed[:batch]
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * (self.k + 1)

@@ -132,6 +132,8 @@ class SpecModel(nn.Module):
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()  # once: warm-up and capture before the first timed step
         return Engine(self).generate(token_prompts, params, seed, progress)
 
     def encode(self, text: str) -> list[int]:
