@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hf-static-batches", type=int, nargs="*", default=[1], help="HF static-cache baseline here")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target's decoder layers")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of eager steps at batch 1")
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json")
@@ -50,11 +51,13 @@ def main() -> None:
     k = args.max_draft_len
     forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
     bandwidth = measure_bandwidth(device)
-    engine = dict(max_batch_size=max(args.batches), max_seq_len=args.prompt_len + args.new_tokens + 8)
+    engine = dict(max_batch_size=max(args.batches), max_seq_len=args.prompt_len + args.new_tokens + 8,
+                  compile_target=args.compile)
     with tempfile.TemporaryDirectory() as workdir:
         spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine)
     plain = SpecModel.from_target(spec.target, None, **engine)
     results = {"gpu": torch.cuda.get_device_name(device), "shape": args.shape, "k": k, "dtype": "bfloat16",
+               "compile_target": args.compile,
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": []}
     jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in forced]

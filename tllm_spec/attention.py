@@ -92,6 +92,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: t
     return out
 
 
+@torch.compiler.disable  # compiled decoder layers call into our kernels eagerly: one graph for all layers
 def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                          tllm_attn: AttentionMetadata | None = None, sliding_window: int | None = None,

@@ -114,6 +114,8 @@ class EngineConfig(_Frozen):
                                   "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
+    compile_target: bool = Field(False, description="torch.compile the target's decoder layers (GPU; fuses the "
+                                 "norm/rotary/activation kernels around our attention, which stays eager)")
 
 
 class RunConfig(_Frozen):

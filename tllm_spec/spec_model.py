@@ -45,6 +45,8 @@ class SpecModel(nn.Module):
         self.spec_metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, self.device)
         self.kv_cache = self._make_kv_cache()
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
+        if engine_config.compile_target and self.device.type == "cuda":
+            target.compile_layers()
         use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
         self.graph_runner = CUDAGraphRunner(self) if use_graphs else None
 

@@ -78,3 +78,10 @@ def test_no_host_sync_inside_generation_step():
     model.step = generation_only
     model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))
     assert calls.count(False) >= 3
+
+
+def test_compiled_target_is_lossless():
+    target, model = _model("llama", 3, torch.float32, eager=False, compile_target=True)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    for p, n, out in zip(PROMPTS, MAX_NEW, outs):
+        assert out.token_ids == hf_greedy(target, p, n)
