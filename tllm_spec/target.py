@@ -25,6 +25,8 @@ class TargetModel(nn.Module):
         self.lm_head = hf_model.get_output_embeddings()
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_ids: tuple[int, ...] = ()
+        self.compiled = False
+        self.checkpoint_dir: Path | None = None  # set by load(); MTP weights are read from here
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device: torch.device) -> TargetModel:
@@ -35,7 +37,9 @@ class TargetModel(nn.Module):
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"{path}: encoder-decoder models are not supported; tllm_spec needs a causal LM")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-        return cls(hf.to(device).eval())
+        target = cls(hf.to(device).eval())
+        target.checkpoint_dir = path
+        return target
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
@@ -45,6 +49,14 @@ class TargetModel(nn.Module):
         with torch.device(device):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return cls(hf.eval())
+
+    def compile_layers(self) -> None:
+        """torch.compile every decoder layer (dynamic shapes: one compilation serves every batch size)."""
+        if self.compiled:
+            return
+        for i, layer in enumerate(self.decoder.layers):
+            self.decoder.layers[i] = torch.compile(layer, dynamic=True)
+        self.compiled = True
 
     @property
     def num_layers(self) -> int:
