@@ -83,3 +83,27 @@ def test_max_seq_len_stops_with_length():
     out = model.generate([PROMPTS[0]], SamplingParams(max_new_tokens=50))[0]
     assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 16
     assert out.token_ids == hf_greedy(target, PROMPTS[0], 16 - len(PROMPTS[0]))
+
+
+def test_dense_prefill_attention_matches_paged_reference():
+    """The GPU prefill path (dense causal attention per prompt) equals the paged reference on CPU."""
+    import torch
+
+    from tllm_spec.attention import prefill_attention
+    from tllm_spec.kernels.paged_attention import paged_attention_ref
+
+    torch.manual_seed(0)
+    lens, hq, hkv, d, page = (5, 1, 12), 4, 2, 16, 4
+    n = sum(lens)
+    q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    slots = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    positions = torch.cat([torch.arange(m) for m in lens])
+    block_tables = torch.arange(1, 13, dtype=torch.int32).view(3, 4)
+    k_cache = torch.zeros(13, page, hkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    index = block_tables[slots, positions // page].long() * page + positions % page
+    k_cache.view(-1, hkv, d)[index] = k
+    v_cache.view(-1, hkv, d)[index] = v
+    for window in (None, 3):
+        ref = paged_attention_ref(q, k_cache, v_cache, block_tables, slots, positions, 0.25, 16, window)
+        torch.testing.assert_close(prefill_attention(q, k, v, lens, 0.25, window), ref)

@@ -54,14 +54,15 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
            sliding_window: int | None = None) -> torch.Tensor:
     """Store k, v for this forward's tokens in ``layer`` and attend. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
 
-    Context tokens (a whole prompt each, positions from 0) attend to their own prompt: dense causal
-    attention on this forward's k, v. The other tokens read the paged cache.
+    On the GPU, context tokens (a whole prompt each, positions from 0) attend to their own prompt with
+    dense causal attention on this forward's k, v, and the other tokens read the paged cache. On the CPU the
+    paged reference serves every token in one batched call (cheaper than a call per short prompt).
     """
     k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.write_index, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.write_index, v.to(v_cache.dtype))
     num_ctx = meta.num_context_tokens
-    if num_ctx == 0:
+    if num_ctx == 0 or not q.is_cuda:
         return paged_attention(q.contiguous(), k_cache, v_cache, meta.kv_cache.block_tables, meta.token_slots,
                                meta.positions, scale, meta.max_kv_len, sliding_window)
     out = torch.empty_like(q)
@@ -80,14 +81,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: t
     out = torch.empty_like(q)
     start = 0
     for n in lens:
-        qs, ks, vs = (x[start:start + n].transpose(0, 1).to(q.dtype) for x in (q, k, v))
+        qs, ks, vs = (x[start:start + n].transpose(0, 1)[None].to(q.dtype) for x in (q, k, v))  # [1, H, n, D]
         mask = None
         if sliding_window is not None:  # an explicit mask; plain causal keeps the flash kernels eligible
             pos = torch.arange(n, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=True)
-        out[start:start + n] = o.transpose(0, 1)
+                                           enable_gqa=qs.shape[1] != ks.shape[1])
+        out[start:start + n] = o[0].transpose(0, 1)
         start += n
     return out
 

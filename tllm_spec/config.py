@@ -44,6 +44,9 @@ class Eagle3Config(_Frozen):
         None, description="0-based target decoder layers whose OUTPUT feeds the head (TensorRT-LLM convention: "
         "output of layer i = residual stream entering layer i+1). None: the head's config, else "
         "(1, L//2-1, L-4)")
+    use_rejection_sampling: bool = Field(
+        False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
+        "speculative (rejection) sampling; greedy requests keep exact argmax verification")
 
     @model_validator(mode="after")
     def _check(self) -> Eagle3Config:
@@ -69,6 +72,9 @@ class MTPConfig(_Frozen):
     mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")
     mtp_hidden_feedback: Literal["pre_norm", "post_norm"] = Field(
         "pre_norm", description="MTP-Eagle: hidden fed to the next draft step, before or after shared_head.norm")
+    use_rejection_sampling: bool = Field(
+        False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
+        "speculative (rejection) sampling; greedy requests keep exact argmax verification")
     use_relaxed_acceptance_for_thinking: bool = Field(
         False, description="lossy: inside <think> accept drafts among the target's top-k within relaxed_delta")
     relaxed_topk: int = Field(1, ge=1, le=64, description="candidates considered by relaxed acceptance")

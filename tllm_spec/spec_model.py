@@ -44,6 +44,7 @@ class SpecModel(nn.Module):
         self.eos_token_ids = _eos_token_ids(target, tokenizer)
         self.spec_metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, self.device)
         self.kv_cache = self._make_kv_cache()
+        worker.allocate_state(self.max_batch_size + 1, target.vocab_size, self.device)  # + the padding slot
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
         if engine_config.compile_target and self.device.type == "cuda":
             target.compile_layers()
@@ -164,7 +165,7 @@ def _eagle3_worker(target: TargetModel, cfg: Eagle3Config, dtype: torch.dtype, d
     target.capture_layers(resolve_capture_layers(cfg.eagle3_layers_to_capture, ckpt.config.aux_layer_ids,
                                                  target.num_layers))
     draft = Eagle3DraftModel.from_checkpoint(ckpt, target.num_layers, target.decoder.embed_tokens, dtype, device)
-    return Eagle3OneModelWorker(cfg.max_draft_len, draft)
+    return Eagle3OneModelWorker(cfg.max_draft_len, draft, use_rejection_sampling=cfg.use_rejection_sampling)
 
 
 def _auto_num_pages(shapes: list[tuple[int, int]], page_size: int, wanted: int, cfg: EngineConfig,

@@ -9,6 +9,7 @@ from torch import nn
 from .. import sampling
 from ..forced_acceptance import forced_num_accepted, read_forced_num_accepted
 from ..metadata import SpecMetadata
+from ..rejection import full_vocab_probs, rejection_sample
 
 
 class SpecWorkerBase(nn.Module, ABC):
@@ -21,11 +22,19 @@ class SpecWorkerBase(nn.Module, ABC):
     generation input: last accepted token + next drafts).
     """
 
-    def __init__(self, max_draft_len: int, use_flashinfer: bool = True):
+    def __init__(self, max_draft_len: int, use_flashinfer: bool = True, use_rejection_sampling: bool = False):
         super().__init__()
         self.max_draft_len = max_draft_len
         self.use_flashinfer = use_flashinfer
+        self.use_rejection_sampling = use_rejection_sampling
         self.forced_num_accepted = read_forced_num_accepted()
+        self.draft_probs: torch.Tensor | None = None  # [slots, K, V] f32: what each slot's drafts were drawn from
+
+    def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        """Per-request device state kept across steps (indexed by KV slot): the draft distributions that
+        rejection sampling verifies against at the next step."""
+        if self.use_rejection_sampling:
+            self.draft_probs = torch.zeros(num_slots, self.max_draft_len, vocab_size, device=device)
 
     @abstractmethod
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -42,13 +51,18 @@ class SpecWorkerBase(nn.Module, ABC):
                                self.use_flashinfer)
 
     def accept_tokens(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
-                      spec_metadata: SpecMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strict acceptance, then the forced override for generation rows.
+                      spec_metadata: SpecMetadata, target_logits: torch.Tensor | None = None,
+                      gen_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strict acceptance (or rejection sampling for sampled requests), then the forced override.
 
-        target_tokens [R] int64; draft_tokens [G, K] int64 (the drafts being verified).
-        Returns (new_tokens [B, K+1] int64 target tokens, num_accepted [B] int64 with the bonus counted).
+        target_tokens [R] int64; draft_tokens [G, K] int64 (the drafts being verified); with rejection
+        sampling also target_logits [R, V] and gen_slots [G] (KV slot of each generation request).
+        Returns (new_tokens [B, K+1] int64, num_accepted [B] int64 with the bonus counted).
         """
         num_accepted_gen, gen_tokens = strict_acceptance(target_tokens[num_contexts:], draft_tokens)
+        if self.use_rejection_sampling and draft_tokens.shape[0] > 0:
+            gen_tokens, num_accepted_gen = self._rejection_sampling(
+                target_logits[num_contexts:], draft_tokens, gen_slots, gen_tokens, num_accepted_gen, spec_metadata)
         if self.forced_num_accepted is not None:
             num_accepted_gen = forced_num_accepted(self.forced_num_accepted, self.max_draft_len,
                                                    draft_tokens.shape[0], spec_metadata.seed,
@@ -58,6 +72,37 @@ class SpecWorkerBase(nn.Module, ABC):
         ctx_tokens[:, 0] = target_tokens[:num_contexts]
         ctx_accepted = torch.ones(num_contexts, dtype=torch.int64, device=target_tokens.device)
         return torch.cat([ctx_tokens, gen_tokens]), torch.cat([ctx_accepted, num_accepted_gen])
+
+    def _rejection_sampling(self, gen_logits: torch.Tensor, draft_tokens: torch.Tensor, gen_slots: torch.Tensor,
+                            strict_tokens: torch.Tensor, strict_accepted: torch.Tensor, spec_metadata: SpecMetadata
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Probabilistic acceptance for sampled requests; greedy requests keep the strict result."""
+        num_gen, k = draft_tokens.shape
+        temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
+        probs = sampling.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, k + 1, -1)
+        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, spec_metadata.seed,
+                                            spec_metadata.offset, self.use_flashinfer)
+        greedy = top_ks.view(num_gen, k + 1)[:, 0] == 1
+        return (torch.where(greedy[:, None], strict_tokens, tokens),
+                torch.where(greedy, strict_accepted, accepted))
+
+    def draft_tokens_from_logits(self, draft_logits: torch.Tensor, d2t: torch.Tensor | None, step: int,
+                                 slots: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
+        """Draft step ``step``: argmax (strict acceptance), or a sample at each request's temperature /
+        top-k / top-p whose distribution is kept for rejection sampling. draft_logits [B, V_draft] -> [B]."""
+        if not self.use_rejection_sampling:
+            return sampling.greedy_draft_tokens(draft_logits, d2t)
+        temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
+        ids = sampling.sample(draft_logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
+                              self.use_flashinfer)
+        probs = sampling.target_probs(draft_logits, temps, top_ks, top_ps)
+        self.draft_probs[slots, step] = full_vocab_probs(probs, d2t, self.draft_probs.shape[-1])
+        return ids if d2t is None else ids + d2t[ids]
+
+    @staticmethod
+    def row_tokens(new_tokens: torch.Tensor, num_contexts: int) -> torch.Tensor:
+        """The emitted token after each sampling row, in the flat row layout. new_tokens [B, K+1] -> [R]."""
+        return torch.cat([new_tokens[:num_contexts, 0], new_tokens[num_contexts:].flatten()])
 
     @staticmethod
     def _prepare_next_new_tokens(new_tokens: torch.Tensor, num_accepted: torch.Tensor,

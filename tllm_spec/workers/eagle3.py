@@ -6,7 +6,6 @@ import torch
 from ..attention import AttentionMetadata
 from ..drafts.eagle3 import Eagle3DraftModel
 from ..metadata import SpecMetadata
-from ..sampling import greedy_draft_tokens
 from .base import SpecWorkerBase
 
 
@@ -27,8 +26,9 @@ class Eagle3OneModelWorker(SpecWorkerBase):
       next step's first pass overwrites.
     """
 
-    def __init__(self, max_draft_len: int, draft_model: Eagle3DraftModel, use_flashinfer: bool = True):
-        super().__init__(max_draft_len, use_flashinfer)
+    def __init__(self, max_draft_len: int, draft_model: Eagle3DraftModel, use_flashinfer: bool = True,
+                 use_rejection_sampling: bool = False):
+        super().__init__(max_draft_len, use_flashinfer, use_rejection_sampling)
         self.draft_model = draft_model
 
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
@@ -41,8 +41,11 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         draft_tokens [G, K] being verified. Returns the TensorRT-LLM output dict."""
         num_contexts = spec_metadata.num_context_requests
         target_tokens = self.sample_target(target_logits, spec_metadata)
-        new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata)
-        next_draft_tokens = self.draft(input_ids, target_tokens, target_features, num_accepted, attn, spec_metadata)
+        first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
+        new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
+                                                      target_logits, attn.token_slots[first_tokens])
+        next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, num_contexts), target_features,
+                                       num_accepted, attn, spec_metadata)
         return {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,
@@ -50,21 +53,24 @@ class Eagle3OneModelWorker(SpecWorkerBase):
             "next_new_tokens": self._prepare_next_new_tokens(new_tokens, num_accepted, next_draft_tokens),
         }
 
-    def draft(self, input_ids: torch.Tensor, target_tokens: torch.Tensor, target_features: torch.Tensor,
+    def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
               num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
-        """K draft passes: one over every token of the step, then one token per request. Returns [B, K]."""
+        """K draft passes: one over every token of the step, then one token per request.
+
+        row_tokens [R]: the emitted token after each sampling row. Returns [B, K]."""
         gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
-        draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, target_tokens)
+        draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
         hidden = self.draft_model(draft_ids, target_features, attn)
         last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
         hidden, positions, slots = hidden[last], attn.positions[last], attn.token_slots[last]
-        drafts = [self._propose(hidden)]
-        for _ in range(1, self.max_draft_len):
+        drafts = [self._propose(hidden, 0, slots, spec_metadata)]
+        for step in range(1, self.max_draft_len):
             positions = positions + 1
             hidden = self.draft_model(drafts[-1], hidden, attn.for_tokens(slots, positions))
-            drafts.append(self._propose(hidden))
+            drafts.append(self._propose(hidden, step, slots, spec_metadata))
         return torch.stack(drafts, dim=1)
 
-    def _propose(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _propose(self, hidden: torch.Tensor, step: int, slots: torch.Tensor, spec_metadata: SpecMetadata
+                 ) -> torch.Tensor:
         logits = self.draft_model.compute_logits(hidden)
-        return greedy_draft_tokens(logits, self.draft_model.vocab_offsets)
+        return self.draft_tokens_from_logits(logits, self.draft_model.vocab_offsets, step, slots, spec_metadata)
