@@ -128,7 +128,7 @@ def to_rows(points: list[Point]) -> list[dict]:
     return [asdict(p) for p in points]
 
 
-_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk")),
+_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet")),
                   ("paged attention (triton)", ("_paged_attention_kernel",)),
                   ("sampling (flashinfer)", ("sampling", "TopK", "flashinfer")),
                   ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
@@ -156,12 +156,14 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
         model.graph_runner = runner
     num_steps = stats["decode_steps"] + 1  # + the context step, profiled too
     groups: dict[str, float] = {}
+    top: list[tuple[float, int, str]] = []
     kernels = 0
     for evt in prof.key_averages():
         us = evt.device_time_total
         if evt.device_type != DeviceType.CUDA or not us:
             continue
         kernels += evt.count
+        top.append((us / num_steps, evt.count // num_steps, evt.key[:90]))
         name = evt.key
         group = next((g for g, keys in _KERNEL_GROUPS if any(k.lower() in name.lower() for k in keys)),
                      "elementwise / other")
@@ -169,6 +171,8 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
     return {"mode": "eagle3" if model.max_draft_len else "none", "batch": batch, "forced_drafts": forced,
             "kernel_us_per_step": {g: round(v, 1) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
             "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / num_steps,
+            "top_kernels": [{"us_per_step": round(us, 1), "calls_per_step": n, "name": name}
+                            for us, n, name in sorted(top, reverse=True)[:12]],
             "eager_step_ms": stats["step_ms"]}
 
 
@@ -177,4 +181,5 @@ def format_profile(p: dict) -> str:
              f"{p['total_kernel_us_per_step'] / 1e3:.2f} ms of kernels per step in {p['kernels_per_step']:.0f} "
              f"launches (eager step {p['eager_step_ms']:.2f} ms)"]
     lines += [f"  {g:28s} {us / 1e3:7.3f} ms" for g, us in p["kernel_us_per_step"].items()]
+    lines += [f"    {k['us_per_step'] / 1e3:7.3f} ms  x{k['calls_per_step']:<4d} {k['name']}" for k in p["top_kernels"]]
     return "\n".join(lines)
