@@ -1,9 +1,12 @@
-"""The embedded default model pair, addressed as ``demo://target`` and ``demo://eagle3``.
+"""The embedded default model pair, addressed as ``demo://target``, ``demo://eagle3`` and ``demo://mtp``.
 
-Until a trained pair ships inside the package (``tllm_spec/assets/demo``), the first use builds a small
-random-weight Llama target, a byte-level BPE tokenizer trained on the Python standard library's sources,
-and a random EAGLE-3 head, in ``~/.cache/tllm_spec/demo-random``. Random weights produce noise text and
-accept almost no drafts; they exist so the whole pipeline runs with no download.
+The trained pair ships inside the package (``tllm_spec/assets/demo``, built by
+``scripts/build_demo_models.py``: a small Llama target trained on the Python standard library, its EAGLE-3
+head and one MTP module with DeepSeek-style keys). Without it (a checkout before the assets were added), the
+first use builds a random-weight stand-in with the same layout in ``~/.cache/tllm_spec/demo-random``: a small
+Llama target, a byte-level BPE tokenizer trained on the standard library's sources, a random EAGLE-3 head and a
+random MTP module. Random weights produce noise text and accept almost no drafts; they only let the pipeline
+run with no download.
 """
 from __future__ import annotations
 
@@ -37,8 +40,12 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _ensure_random_pair() -> Path:
-    if (CACHE / "eagle3" / "config.json").is_file():
+    if (CACHE / "eagle3" / "config.json").is_file() and (CACHE / "mtp" / "model.safetensors.index.json").is_file():
         return CACHE
+    import shutil
+
+    from .drafts.mtp import random_mtp_modules
+    from .drafts.mtp_checkpoint import save_mtp_weights
     from .random_models import save_random_head, save_random_target, target_config
 
     print(f"tllm_spec: building the interim demo pair (random weights) in {CACHE} ...", flush=True)
@@ -48,6 +55,9 @@ def _ensure_random_pair() -> Path:
     save_random_target(CACHE / "target", config)
     tokenizer.save_pretrained(CACHE / "target")
     save_random_head(CACHE / "eagle3", config, dialect="eagle")
+    shutil.rmtree(CACHE / "mtp", ignore_errors=True)  # save_mtp_weights appends a shard: start empty
+    save_mtp_weights(CACHE / "mtp", random_mtp_modules(config, 1, seed=2), "deepseek",
+                     num_target_layers=config.num_hidden_layers)
     return CACHE
 
 

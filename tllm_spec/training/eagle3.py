@@ -1,0 +1,141 @@
+"""EAGLE-3 head training with the training-time test (TTT): the head is unrolled over ``ttt_steps`` draft levels,
+each fed its own previous pre-norm hidden state, under the attention pattern inference produces
+(:mod:`.ttt`). Follows EAGLE-3 / SpecForge (``OnlineEagle3Model``): level j of the chain starting at t reads
+the ground-truth token t+j+1 at RoPE position t+j and is trained on the target's distribution of token
+t+j+2 (soft labels, renormalised over the draft vocabulary), loss weights 0.8 ** j.
+
+Departures, all about initialisation: the draft ``lm_head`` starts as the target's rows of the draft
+vocabulary and the final ``norm`` as the target's final norm (the draft then starts out speaking the target's
+output space), and the token embedding is the target's own, frozen and not saved -- as our loader expects.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..drafts.eagle3 import Eagle3DraftModel
+from ..drafts.eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
+from .teacher import Teacher, TeacherOutputs, distill_level, level_weights, shift_ids
+from .ttt import TTTCache
+from .vocab import DraftVocab
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Outputs of layers (1, L//2 - 1, L - 4), 0-based (= ``hidden_states`` entries 2, L//2, L - 3)."""
+    return 1, num_layers // 2 - 1, num_layers - 4
+
+
+def head_config(target: PretrainedConfig, draft_vocab_size: int, aux_layers: tuple[int, ...],
+                intermediate_size: int | None = None, num_key_value_heads: int | None = None) -> Eagle3HeadConfig:
+    """A one-layer head shaped like the target's layers (same hidden size, heads and RoPE)."""
+    heads = target.num_attention_heads
+    layer = LlamaConfig(
+        hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
+        num_attention_heads=heads, num_key_value_heads=num_key_value_heads or target.num_key_value_heads or heads,
+        head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
+        rms_norm_eps=target.rms_norm_eps, hidden_act="silu", attention_bias=False,
+        max_position_embeddings=target.max_position_embeddings, rope_parameters=dict(target.rope_parameters),
+        vocab_size=target.vocab_size, num_hidden_layers=1, tie_word_embeddings=False)
+    return Eagle3HeadConfig(layer, draft_vocab_size, target.hidden_size, _stored_aux_ids(aux_layers),
+                            norm_before_residual=False, has_embedding=False, dialect="eagle")
+
+
+def _stored_aux_ids(layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids written to the head's config so that the loader's convention rule (a list starting at 1 is
+    output-of-layer, anything else input-to-layer) reads back exactly ``layers`` (output-of-layer)."""
+    layers = tuple(sorted(layers))
+    if len(set(layers)) != 3 or layers[0] < 0:
+        raise ValueError(f"aux layers {layers}: need 3 distinct non-negative decoder-layer ids")
+    if layers[0] == 0:
+        raise ValueError("aux layer 0 cannot be written unambiguously into an EAGLE-3 config (the id lists (0, ...) "
+                         "and (1, ...) read back as other layers); pick layers >= 1")
+    return layers if layers[0] == 1 else tuple(i + 1 for i in layers)
+
+
+def init_head(config: Eagle3HeadConfig, teacher: Teacher, vocab: DraftVocab, seed: int = 0) -> Eagle3DraftModel:
+    """A fresh head: default init, lm_head = the target's draft-vocabulary rows, norm = the target's final norm,
+    the target's (frozen) embedding."""
+    torch.manual_seed(seed)
+    draft = Eagle3DraftModel(config, kv_layer=0, target_embedding=nn.Embedding(1, 1))  # placeholder for .to()
+    draft.to(device=teacher.lm_head.weight.device, dtype=torch.float32)
+    draft.embed_tokens = teacher.decoder.embed_tokens  # the target's, frozen, in its own dtype
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(teacher.lm_head.weight[vocab.draft_ids.to(draft.lm_head.weight.device)])
+        draft.norm.weight.copy_(teacher.decoder.norm.weight)
+        draft.d2t.copy_(vocab.d2t)
+    return draft
+
+
+class Eagle3Trainer(nn.Module):
+    """Loss and per-level accuracy of an :class:`Eagle3DraftModel` unrolled over ``ttt_steps`` levels."""
+
+    def __init__(self, draft: Eagle3DraftModel, vocab: DraftVocab, ttt_steps: int):
+        super().__init__()
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        self.draft, self.ttt_steps = draft, ttt_steps
+        reduced = vocab.size < vocab.t2d.numel()
+        device = draft.lm_head.weight.device
+        self.register_buffer("draft_ids", vocab.draft_ids.to(device) if reduced else None, persistent=False)
+        self.register_buffer("t2d", vocab.t2d.to(device) if reduced else None, persistent=False)
+        self.vocab = vocab
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def forward(self, input_ids: torch.Tensor, teacher: TeacherOutputs) -> tuple[torch.Tensor, dict[str, float]]:
+        """input_ids [B, S] -> (weighted loss [], {"loss", "acc0", "acc1", ...})."""
+        seq_len = input_ids.shape[1]
+        total, metrics = 0.0, {}
+        for j, (hidden, weight) in enumerate(zip(self.unroll(teacher.aux, input_ids), level_weights(self.ttt_steps))):
+            n = seq_len - j - 1  # chains t < n have their level-j token t+j+1 and a target label
+            if n <= 0:
+                break
+            logits = self.draft.lm_head(self.draft.norm(hidden[:, :n]))
+            loss, acc = distill_level(logits, teacher.logits[:, j + 1:], self.draft_ids, self.t2d)
+            total = total + weight * loss
+            metrics[f"acc{j}"] = acc.item()
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """aux [B, S, 3H_t] target features, input_ids [B, S] -> pre-norm hidden [B, S, H] of each level
+        (row t of level j: chain t's level-j output, which predicts token t+j+2)."""
+        cache, outputs = TTTCache(), []
+        hidden = self.draft.fc(aux.to(self.draft.fc.weight.dtype))
+        for j in range(self.ttt_steps):
+            hidden = self._level(hidden, shift_ids(input_ids, j + 1), cache)
+            outputs.append(hidden)
+        return outputs
+
+    def _level(self, hidden: torch.Tensor, ids: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+        """One level of the midlayer (the math of Eagle3Midlayer with TTT attention). hidden [B, S, H], ids
+        [B, S] (token t+j+1 in row t) -> pre-norm hidden [B, S, H]."""
+        mid = self.draft.midlayer
+        positions = torch.arange(ids.shape[1], device=ids.device)[None] + cache.level  # RoPE position t + j
+        cos, sin = self.draft.rotary_emb(hidden, positions)
+        normed = mid.hidden_norm(hidden)
+        residual = normed if mid.norm_before_residual else hidden
+        embeds = mid.input_layernorm(self.draft.embed_tokens(ids).to(hidden.dtype))
+        h = residual + self._attention(torch.cat([embeds, normed], dim=-1), cos, sin, cache)
+        return h + mid.mlp(mid.post_attention_layernorm(h))
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+        """x [B, S, 2H] -> [B, S, H]."""
+        attn = self.draft.midlayer.self_attn
+        b, s, _ = x.shape
+        q = attn.q_proj(x).view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = cache.attend(q, k, v, attn.head_dim ** -0.5)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def checkpoint(self, dtype: torch.dtype = torch.float32) -> Eagle3Checkpoint:
+        """The head's tensors under canonical keys (embedding excluded), floats cast to ``dtype``, on the CPU."""
+        state = {k: v.detach().to("cpu", dtype) for k, v in self.draft.state_dict().items()
+                 if not k.startswith(("embed_tokens.", "rotary_emb."))}
+        state["d2t"] = self.vocab.d2t.cpu().clone()
+        return Eagle3Checkpoint(self.draft.head, state)
