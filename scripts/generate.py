@@ -11,7 +11,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tllm_spec import Eagle3Config, EngineConfig, MTPConfig, RunConfig, SamplingParams, SpecModel, load_run_config
+import torch
+
+from tllm_spec import RunConfig, SpecModel, load_run_config
 from tllm_spec.report import format_outputs
 
 DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
@@ -36,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
     p.add_argument("--json", help="write outputs and stats here")
+    p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (small models decode fastest on "
+                   "one: OpenMP spin-waits cost more than they give, and far more when cores are shared)")
     return p.parse_args()
 
 
@@ -74,6 +78,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     args = parse_args()
+    torch.set_num_threads(args.threads)
     cfg = build_config(args)
     model = SpecModel.from_run_config(cfg)
     prompts = read_prompts(args)
