@@ -27,22 +27,28 @@ def fresh():
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+def validation(model):
+    x = torch.linspace(-1, 1, 32).view(8, 4)
+    return lambda: ((model(x) - x.sum(-1, keepdim=True)) ** 2).mean().item()
+
+
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
-    cfg = LoopConfig(max_steps=10, lr=1e-2, warmup_steps=2, save_every=0)
+    cfg = LoopConfig(max_steps=10, lr=1e-2, warmup_steps=2, save_every=0, eval_every=3)
     torch.manual_seed(1)
     whole = fresh()
     torch.manual_seed(1)
-    run_loop(whole, make_step(whole), cfg, CPU, None, progress=False)
+    expected = run_loop(whole, make_step(whole), cfg, CPU, None, progress=False, eval_fn=validation(whole))
 
     part = fresh()
     torch.manual_seed(1)
     with pytest.raises(KeyboardInterrupt):
-        run_loop(part, make_step(part, interrupt_at=6), cfg, CPU, tmp_path, progress=False)
+        run_loop(part, make_step(part, interrupt_at=7), cfg, CPU, tmp_path, progress=False, eval_fn=validation(part))
     assert (tmp_path / STATE_FILE).is_file()
     torch.manual_seed(123)  # a different RNG state: resume must restore the saved one
     resumed = fresh()
-    result = run_loop(resumed, make_step(resumed), cfg, CPU, tmp_path, resume=True, progress=False)
-    assert result.step == 10 and len(result.losses) == 4
+    result = run_loop(resumed, make_step(resumed), cfg, CPU, tmp_path, resume=True, progress=False,
+                      eval_fn=validation(resumed))
+    assert result.step == 10 and len(result.losses) == 3 and result.best_step == expected.best_step
     for a, b in zip(whole.parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -67,3 +73,20 @@ def test_time_budget_shrinks_the_plan():
     result = run_loop(model, slow_step, LoopConfig(max_steps=10_000, time_budget_s=0.5), CPU, None, progress=False)
     assert 10 < result.step < 200
     assert time.perf_counter() - start < 2.0
+
+
+def test_early_stopping_keeps_the_best_weights():
+    model = fresh()
+    scores = iter([5.0, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0])
+    snapshots = []
+
+    def eval_fn():
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        return next(scores)
+
+    cfg = LoopConfig(max_steps=100, lr=1e-2, eval_every=2, patience=3)
+    result = run_loop(model, make_step(model), cfg, CPU, None, progress=False, eval_fn=eval_fn)
+    assert result.step == 10 and [s for s, _ in result.evals] == [2, 4, 6, 8, 10]  # 3 scores after the best
+    assert result.best_step == 4
+    for kept, best in zip(model.parameters(), snapshots[1]):
+        assert torch.equal(kept, best)

@@ -49,13 +49,15 @@ def stdlib_files() -> list[Path]:
     return expand_paths([stdlib_root()], suffixes=(".py",))
 
 
-def split_heldout(files: Sequence[Path], every: int = HELDOUT_EVERY) -> tuple[list[Path], list[Path]]:
-    """(train, held-out): the files at 1-based positions every, 2*every, ... of ``files`` are held out
-    (``every = 0``: nothing held out)."""
+def split_heldout(files: Sequence[Path], every: int = HELDOUT_EVERY, position: int | None = None
+                  ) -> tuple[list[Path], list[Path]]:
+    """(train, held-out): the files at 1-based positions p, p + every, p + 2*every, ... of ``files`` are held
+    out, p = ``position`` (default ``every``: the 10th, 20th, ... file); ``every = 0``: nothing held out."""
     if every <= 0:
         return list(files), []
-    heldout = [f for i, f in enumerate(files) if (i + 1) % every == 0]
-    train = [f for i, f in enumerate(files) if (i + 1) % every != 0]
+    p = (every if position is None else position) % every
+    heldout = [f for i, f in enumerate(files) if (i + 1) % every == p]
+    train = [f for i, f in enumerate(files) if (i + 1) % every != p]
     if not train:
         raise ValueError(f"{len(files)} file(s): nothing left to train on after holding out every {every}th")
     return train, heldout
@@ -112,7 +114,11 @@ def sample_windows(stream: torch.Tensor, batch_size: int, seq_len: int, seed: in
 
 
 def eval_windows(stream: torch.Tensor, batch_size: int, seq_len: int, max_batches: int) -> list[torch.Tensor]:
-    """Up to ``max_batches`` batches [b, seq_len] int64 of consecutive, non-overlapping windows (evaluation)."""
+    """Up to ``max_batches`` batches [b, seq_len] int64 of non-overlapping windows spread evenly over ``stream``
+    (evaluation: every part of a validation set counts, not just its first files)."""
     num = min(stream.numel() // seq_len, batch_size * max_batches)
-    windows = stream[:num * seq_len].long().view(num, seq_len)
+    if num == 0:
+        return []
+    starts = torch.linspace(0, stream.numel() - seq_len, num).long()
+    windows = torch.stack([stream[s:s + seq_len] for s in starts.tolist()]).long()
     return list(windows.split(batch_size))

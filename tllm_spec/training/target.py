@@ -25,8 +25,10 @@ def llama_config(vocab_size: int, bos_token_id: int, eos_token_id: int, hidden_s
 
 def train_target(config: LlamaConfig, stream: torch.Tensor, loop: LoopConfig, batch_size: int, seq_len: int,
                  device: torch.device, state_dir: Path | None = None, seed: int = 0, resume: bool = False,
-                 progress: bool = True) -> tuple[PreTrainedModel, LoopResult]:
-    """A fresh fp32 model trained on random windows of ``stream`` [N] (bf16 autocast on CUDA)."""
+                 progress: bool = True, val_stream: torch.Tensor | None = None) -> tuple[PreTrainedModel, LoopResult]:
+    """A fresh fp32 model trained on random windows of ``stream`` [N] (bf16 autocast on CUDA). With
+    ``val_stream`` and ``loop.eval_every``, the weights with the lowest validation loss are kept (a small corpus
+    is memorised quickly: the training loss keeps falling while the held-out loss climbs)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     model.train()
@@ -36,7 +38,14 @@ def train_target(config: LlamaConfig, stream: torch.Tensor, loop: LoopConfig, ba
         loss = model(input_ids=ids, labels=ids).loss
         return loss, {"loss": loss.item()}
 
-    result = run_loop(model, step_fn, loop, device, state_dir, resume, desc="train target", progress=progress)
+    def eval_fn() -> float:
+        model.eval()
+        loss = eval_loss(model, val_stream, batch_size, seq_len, device, max_batches=16)
+        model.train()
+        return loss
+
+    result = run_loop(model, step_fn, loop, device, state_dir, resume, desc="train target", progress=progress,
+                      eval_fn=eval_fn if val_stream is not None else None)
     return model.eval(), result
 
 
