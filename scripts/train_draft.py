@@ -36,6 +36,10 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--intermediate-size", type=int, help="EAGLE-3 head MLP width (default: the target's)")
     p.add_argument("--num-modules", type=int, default=1, help="MTP: > 1 trains vanilla MTP modules")
     p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="pre_norm")
+    p.add_argument("--rollouts", type=int, default=0, help="self-distillation: target continuations of training "
+                   "prompts generated first (half greedy, half T=1) and mixed into every batch")
+    p.add_argument("--rollout-prompt-tokens", type=int, default=64)
+    p.add_argument("--rollout-share", type=float, default=0.5, help="fraction of each batch taken from the rollouts")
     p.add_argument("--heldout-every", type=int, default=10)
     p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default .py .txt .md "
                    ".rst .jsonl)")
@@ -50,7 +54,9 @@ def parse_args() -> DraftTrainConfig:
                   seq_len=a.seq_len, lr=a.lr, warmup_steps=a.warmup_steps, ttt_steps=a.ttt_steps,
                   draft_vocab=a.draft_vocab, aux_layers=tuple(a.aux_layers) if a.aux_layers else None,
                   intermediate_size=a.intermediate_size, num_modules=a.num_modules,
-                  hidden_feedback=a.hidden_feedback, heldout_every=a.heldout_every, save_dtype=a.save_dtype,
+                  hidden_feedback=a.hidden_feedback, rollout_sequences=a.rollouts,
+                  rollout_prompt_tokens=a.rollout_prompt_tokens, rollout_share=a.rollout_share,
+                  heldout_every=a.heldout_every, save_dtype=a.save_dtype,
                   time_budget_s=60 * a.minutes if a.minutes else None, save_every=a.save_every, resume=a.resume,
                   device=a.device, seed=a.seed)
     if a.suffixes:

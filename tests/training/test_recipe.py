@@ -31,10 +31,29 @@ def test_heldout_list_is_every_tenth_file(built):
 
 def test_phases_are_timed_and_both_heads_checked(built):
     out, _, report = built
-    assert set(report["phases_s"]) == {"corpus+tokenizer", "target", "eagle3", "mtp", "cpu check", "pack"}
+    assert set(report["phases_s"]) == {"corpus+tokenizer", "target", "rollouts", "eagle3", "mtp", "cpu check",
+                                       "pack"}
     assert json.loads((out / "build_report.json").read_text())["phases_s"] == report["phases_s"]
-    for head in ("eagle3", "mtp"):
+    for head in ("eagle3", "mtp", "eagle3_T1", "mtp_T1"):
         assert report["cpu_check"][head]["steps"] > 0
+    assert report["cpu_check"]["num_prompts"] == TINY_SHAPE.check_prompts
+
+
+def test_drafts_train_on_text_and_rollouts(built):
+    _, _, report = built
+    assert report["rollout_tokens"] == TINY_SHAPE.rollout_sequences * TINY_SHAPE.seq_len
+    for head in ("eagle3", "mtp"):
+        assert set(report[head]["heldout_rollouts"]) >= {"loss", "acc0", "acc1", "acc2"}
+
+
+def test_a_reused_target_skips_its_phase(built, tmp_path):
+    _, demo, report = built
+    files = sorted(corpus(30).glob("*.py"))
+    again = build_demo_models(tmp_path / "out", tmp_path / "work", torch.device("cpu"), minutes=0.02, shape=TINY_SHAPE,
+                              files=files, progress=False, target_from=demo / "target")
+    assert again["target"]["reused"] == str(demo / "target") and again["train_tokens"] == report["train_tokens"]
+    assert (tmp_path / "work" / "demo" / "target" / "model.safetensors").read_bytes() == \
+        (demo / "target" / "model.safetensors").read_bytes()
 
 
 def test_parts_unpack_into_the_asset_layout(built):

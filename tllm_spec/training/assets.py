@@ -21,8 +21,7 @@ PACK_NAME = "demo_assets.tgz"
 def write_heldout(path: Path, corpus: list[Path], heldout: list[Path], rule: str, prompt_chars: int) -> None:
     """``heldout.json``: the held-out files (relative to the corpus root) and each one's opening text, so that
     evaluation prompts do not depend on the local Python's standard library."""
-    root = Path(os.path.commonpath([str(f) for f in corpus]))
-    root = root.parent if root.is_file() else root
+    root = corpus_root(corpus)
     entries = [{"file": str(f.relative_to(root)),
                 "text": f.read_text(encoding="utf-8", errors="replace")[:prompt_chars]} for f in heldout]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,9 +30,16 @@ def write_heldout(path: Path, corpus: list[Path], heldout: list[Path], rule: str
                                indent=1))
 
 
-def cpu_check(demo_dir: Path, prompt_tokens: int = 64, new_tokens: int = 64, num_prompts: int = 8, k: int = 3
-              ) -> dict:
-    """Greedy (T = 0) acceptance of both heads on held-out prompts, decoded on the CPU as a user would."""
+def corpus_root(files: list[Path]) -> Path:
+    """The deepest directory holding every corpus file."""
+    root = Path(os.path.commonpath([str(f) for f in files]))
+    return root.parent if root.is_file() else root
+
+
+def cpu_check(demo_dir: Path, prompt_tokens: int = 64, new_tokens: int = 64, num_prompts: int = 16, k: int = 3,
+              temperatures: tuple[float, ...] = (0.0, 1.0)) -> dict:
+    """Acceptance of both heads on held-out prompts, decoded on the CPU as a user would: ``result[head]`` at
+    T = 0, ``result[head + "_T1"]`` at T = 1 with rejection sampling (and likewise for other temperatures)."""
     from ..acceptance_eval import acceptance, heldout_texts, load, prompt_ids
     from ..tokenizer import load_tokenizer
 
@@ -42,12 +48,16 @@ def cpu_check(demo_dir: Path, prompt_tokens: int = 64, new_tokens: int = 64, num
     prompts = prompt_ids(load_tokenizer(demo_dir / "target"), heldout_texts(demo_dir / "heldout.json"),
                          num_prompts, prompt_tokens)
     result = {"num_prompts": len(prompts), "prompt_tokens": prompt_tokens, "max_new_tokens": new_tokens, "k": k}
-    for name, spec in (("eagle3", Eagle3Config(speculative_model=str(demo_dir / "eagle3"), max_draft_len=k)),
-                       ("mtp", MTPConfig(max_draft_len=k, mtp_checkpoint=str(demo_dir / "mtp")))):
+    specs = {"eagle3": Eagle3Config(speculative_model=str(demo_dir / "eagle3"), max_draft_len=k,
+                                    use_rejection_sampling=True),
+             "mtp": MTPConfig(max_draft_len=k, mtp_checkpoint=str(demo_dir / "mtp"), use_rejection_sampling=True)}
+    for name, spec in specs.items():
         model = load(str(demo_dir / "target"), spec, "cpu", "float32", prompt_tokens + new_tokens + 16)
-        result[name] = acceptance(model, prompts, new_tokens, temperature=0.0)
-        print(f"cpu check {name}: mean accepted length {result[name]['mean_accepted_length']:.3f} "
-              f"{result[name]['acceptance_rate_per_position']}", flush=True)
+        for temperature in temperatures:
+            key = name if temperature == 0 else f"{name}_T{temperature:g}"
+            result[key] = acceptance(model, prompts, new_tokens, temperature=temperature)
+            print(f"cpu check {key}: mean accepted length {result[key]['mean_accepted_length']:.3f} "
+                  f"{result[key]['acceptance_rate_per_position']}", flush=True)
     torch.set_num_threads(threads)
     return result
 

@@ -113,6 +113,12 @@ def sample_windows(stream: torch.Tensor, batch_size: int, seq_len: int, seed: in
     return torch.stack([stream[s:s + seq_len] for s in starts.tolist()]).long()
 
 
+def sample_rows(rows: torch.Tensor, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """[batch_size, S] int64: random rows of ``rows`` [N, S], determined by (seed, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step + 500_000_009)  # not sample_windows' draws
+    return rows[torch.randint(0, rows.shape[0], (batch_size,), generator=g)].long()
+
+
 def eval_windows(stream: torch.Tensor, batch_size: int, seq_len: int, max_batches: int) -> list[torch.Tensor]:
     """Up to ``max_batches`` batches [b, seq_len] int64 of non-overlapping windows spread evenly over ``stream``
     (evaluation: every part of a validation set counts, not just its first files)."""

@@ -15,11 +15,12 @@ from .. import demo
 from ..drafts.eagle3_checkpoint import save_eagle3_checkpoint
 from ..drafts.mtp_checkpoint import save_mtp_weights
 from ..tokenizer import load_tokenizer
-from .data import HELDOUT_EVERY, TEXT_SUFFIXES, eval_windows, expand_paths, read_documents, sample_windows, \
-    split_heldout, tokenize_documents
+from .data import HELDOUT_EVERY, TEXT_SUFFIXES, eval_windows, expand_paths, read_documents, sample_rows, \
+    sample_windows, split_heldout, tokenize_documents
 from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, init_head
 from .loop import LoopConfig, autocast, run_loop
 from .mtp import MTPTrainer, init_mtp_modules
+from .rollout import generate_rollouts
 from .teacher import Teacher
 from .vocab import build_draft_vocab, token_counts
 
@@ -48,6 +49,10 @@ class DraftTrainConfig(BaseModel):
     num_modules: int = Field(1, ge=1, le=8, description="MTP: >1 trains vanilla MTP (one level per module)")
     hidden_feedback: Literal["pre_norm", "post_norm"] = Field("pre_norm", description="MTP: the hidden fed to "
                                                               "the next level (must match MTPConfig)")
+    rollout_sequences: int = Field(0, ge=0, description="self-distillation: target continuations of training "
+                                   "prompts generated before training, half greedy, half at T = 1 (0: none)")
+    rollout_prompt_tokens: int = Field(64, ge=1, description="prompt length of each rollout")
+    rollout_share: float = Field(0.5, ge=0.0, le=1.0, description="fraction of each batch drawn from the rollouts")
     heldout_every: int = Field(HELDOUT_EVERY, ge=0, description="hold out every Nth file (0: none)")
     suffixes: tuple[str, ...] = TEXT_SUFFIXES
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -66,6 +71,8 @@ class DraftTrainConfig(BaseModel):
             raise ValueError("ttt_steps: vanilla MTP (num_modules > 1) unrolls exactly one level per module")
         if self.kind == "eagle3" and self.num_modules != 1:
             raise ValueError("num_modules applies to kind='mtp' only")
+        if self.rollout_sequences and self.rollout_prompt_tokens >= self.seq_len:
+            raise ValueError(f"rollout_prompt_tokens {self.rollout_prompt_tokens} must be < seq_len {self.seq_len}")
         return self
 
 
@@ -76,12 +83,13 @@ class DraftTrainResult:
     summary: dict
 
 
-def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                ) -> DraftTrainResult:
+def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                rollouts: torch.Tensor | None = None) -> DraftTrainResult:
     """Train, save the draft in its loader format, evaluate on the held-out files, write the summary.
 
     ``streams``: the (train, held-out) token streams of ``cfg.data``'s split when the caller already has them
-    (the demo recipe); otherwise the files are read and tokenized here."""
+    (the demo recipe); otherwise the files are read and tokenized here. ``rollouts`` [N, seq_len]: the target's
+    continuations when the caller already generated them; otherwise ``cfg.rollout_sequences`` are generated."""
     device = _device(cfg.device)
     out = Path(cfg.out)
     target_dir = demo.resolve(cfg.target)
@@ -92,11 +100,15 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
     stream, heldout_stream = streams or (_tokenize(tokenizer, train_files), _tokenize(tokenizer, heldout_files))
     model = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
+    if rollouts is None and cfg.rollout_sequences:
+        rollouts = generate_rollouts(model, stream, cfg.rollout_sequences, cfg.rollout_prompt_tokens, cfg.seq_len,
+                                     seed=cfg.seed)
+    num_rollout_rows = round(cfg.batch_size * cfg.rollout_share) if rollouts is not None else 0
     trainer, teacher = _build(cfg, model, stream, tokenizer.eos_token_id)
     trainer.train()
 
     def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        ids = sample_windows(stream, cfg.batch_size, cfg.seq_len, cfg.seed, step).to(device)
+        ids = _batch(stream, rollouts, cfg.batch_size - num_rollout_rows, num_rollout_rows, cfg, step).to(device)
         return trainer(ids, teacher(ids))
 
     loop = LoopConfig(max_steps=cfg.steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, time_budget_s=cfg.time_budget_s,
@@ -104,12 +116,28 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
     result = run_loop(trainer, step_fn, loop, device, out, cfg.resume, desc=f"train {cfg.kind}",
                       progress=cfg.progress)
     _save(cfg, trainer, out, model.config.num_hidden_layers)
-    heldout = evaluate(trainer, teacher, heldout_stream, cfg, device)
     summary = {"config": cfg.model_dump(mode="json"), "steps": result.step, "seconds": round(result.seconds, 1),
                "train_tokens": int(stream.numel()), "train_files": len(train_files),
-               "heldout_files": [str(f) for f in heldout_files], "last_step": result.metrics, "heldout": heldout}
+               "rollout_tokens": 0 if rollouts is None else int(rollouts.numel()),
+               "heldout_files": [str(f) for f in heldout_files], "last_step": result.metrics,
+               "heldout": evaluate(trainer, teacher, _heldout_batches(heldout_stream, cfg), device)}
+    if rollouts is not None and heldout_stream is not None and heldout_stream.numel() > cfg.seq_len:
+        # the target's continuations of held-out prompts: the text the draft meets in the acceptance evaluation
+        held_rollouts = generate_rollouts(model, heldout_stream, 2 * cfg.batch_size, cfg.rollout_prompt_tokens,
+                                          cfg.seq_len, seed=cfg.seed + 1)
+        summary["heldout_rollouts"] = evaluate(trainer, teacher, list(held_rollouts.long().split(cfg.batch_size)),
+                                               device)
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     return DraftTrainResult(out, result.losses, summary)
+
+
+def _batch(stream: torch.Tensor, rollouts: torch.Tensor | None, num_text_rows: int, num_rollout_rows: int,
+           cfg: DraftTrainConfig, step: int) -> torch.Tensor:
+    """[batch_size, seq_len] int64: random windows of the training text, then random rollouts."""
+    parts = [sample_windows(stream, num_text_rows, cfg.seq_len, cfg.seed, step)] if num_text_rows else []
+    if num_rollout_rows:
+        parts.append(sample_rows(rollouts, num_rollout_rows, cfg.seed, step))
+    return torch.cat(parts)
 
 
 def _build(cfg: DraftTrainConfig, model, stream: torch.Tensor, eos_token_id: int
@@ -141,15 +169,20 @@ def _tokenize(tokenizer, files: list[Path]) -> torch.Tensor | None:
     return tokenize_documents(tokenizer, read_documents(files), tokenizer.eos_token_id) if files else None
 
 
-@torch.no_grad()
-def evaluate(trainer, teacher: Teacher, stream: torch.Tensor | None, cfg: DraftTrainConfig, device: torch.device,
-             max_batches: int = 8) -> dict[str, float]:
-    """Mean loss and per-level accuracy over consecutive held-out windows ({} when nothing is held out)."""
+def _heldout_batches(stream: torch.Tensor | None, cfg: DraftTrainConfig, max_batches: int = 8
+                     ) -> list[torch.Tensor]:
     if stream is None or stream.numel() <= cfg.seq_len:
+        return []
+    return eval_windows(stream, cfg.batch_size, cfg.seq_len, max_batches)
+
+
+@torch.no_grad()
+def evaluate(trainer, teacher: Teacher, batches: list[torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Mean loss and per-level accuracy over ``batches`` [b, seq_len] ({} when there are none)."""
+    if not batches:
         return {}
     trainer.eval()
     totals: dict[str, float] = {}
-    batches = eval_windows(stream, cfg.batch_size, cfg.seq_len, max_batches)
     for ids in batches:
         ids = ids.to(device)
         with autocast(device):

@@ -1,16 +1,21 @@
 """The reproducible recipe of the embedded demo pair (``scripts/build_demo_models.py``).
 
-1. Corpus: every .py file of the running Python's standard library (site-packages excluded), sorted by path.
-   The 10th, 20th, ... file is held out for evaluation (listed with its opening text in ``heldout.json``); the
-   5th, 15th, ... file is the target's validation set.
+1. Corpus: every .py file under a Python standard library directory (default: the running Python's;
+   site-packages excluded), sorted by path. The shipped pair uses CPython's full ``Lib`` with its test suite
+   (~10M tokens; a distro Python without tests has ~3M). The 10th, 20th, ... file is held out for evaluation
+   (listed with its opening text in ``heldout.json``); the 5th, 15th, ... file is the target's validation set.
 2. A byte-level BPE tokenizer (``tokenizers``) trained on the training files (validation included).
 3. A small Llama target trained from scratch: deep and narrow (per-layer overhead dominates a CPU decode step,
-   so depth is what makes a one-layer draft cheap), one KV head, tied embeddings. A distro Python's stdlib
-   without its test suite is only ~3M tokens, which such a model memorises in a few dozen epochs; training
-   stops at the lowest validation loss (a memorising target is erratic on new text and hard to draft for).
-4. Its EAGLE-3 head and one MTP module, trained by :func:`train_draft` (the code behind
-   ``scripts/train_draft.py``) on the training files, sharing the time the target left.
-5. bf16 weights in ``demo/{target,eagle3,mtp}``, a CPU acceptance check, packed as ``demo_assets.tgz.NNN``.
+   so depth is what makes a one-layer draft cheap), one KV head, tied embeddings. Training keeps the weights
+   of the lowest validation loss: a target that has memorised its corpus is erratic on new text, and what a
+   draft predicts is the target's behaviour on new text.
+4. Self-distillation data (:mod:`.rollout`): the target's own continuations of training prompts, half greedy,
+   half sampled at T = 1 -- the text a draft meets at inference.
+5. Its EAGLE-3 head (full vocabulary, training-time test over K = 3 levels) and one MTP module (trained chained:
+   its own output fed back for 3 levels, as MTP-Eagle runs it), trained by :func:`train_draft` (the code
+   behind ``scripts/train_draft.py``) on training text and rollouts, sharing the time the target left.
+6. bf16 weights in ``demo/{target,eagle3,mtp}``, a CPU acceptance check (T = 0, and T = 1 with rejection
+   sampling), packed as ``demo_assets.tgz.NNN``.
 """
 from __future__ import annotations
 
@@ -22,11 +27,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from .assets import check_sizes, cpu_check, pack, write_heldout
-from .data import HELDOUT_EVERY, read_documents, split_heldout, stdlib_files, stdlib_root, tokenize_documents
+from ..tokenizer import load_tokenizer
+from .assets import check_sizes, corpus_root, cpu_check, pack, write_heldout
+from .data import HELDOUT_EVERY, expand_paths, read_documents, split_heldout, stdlib_root, tokenize_documents
 from .draft import DraftTrainConfig, train_draft
 from .loop import LoopConfig
+from .rollout import generate_rollouts
 from .target import eval_loss, llama_config, save_target, train_target
 from .tokenizer import save_tokenizer, train_bpe_tokenizer
 
@@ -40,64 +48,84 @@ class RecipeShape:
     """Model shapes and optimisation settings of the recipe."""
 
     vocab_size: int = 4096
-    draft_vocab_size: int = 2048
+    draft_vocab_size: int = 4096  # the full vocabulary: a 4096-row head costs nothing noticeable on a CPU step
     target: dict = field(default_factory=lambda: dict(
         hidden_size=192, intermediate_size=640, num_hidden_layers=16, num_attention_heads=3, num_key_value_heads=1,
         max_position_embeddings=2048))
-    head_intermediate_size: int = 640
+    head_intermediate_size: int = 1024
     seq_len: int = 512
-    target_batch: int = 32
+    target_batch: int = 64
     draft_batch: int = 32
     target_lr: float = 2e-3
     eagle3_lr: float = 2e-3
     mtp_lr: float = 1e-3
-    ttt_steps: int = 3
-    target_share: float = 0.5  # of the training minutes; the drafts split what the target leaves (60 / 40)
-    target_epochs: float = 12.0  # the cosine schedule's length, unless the time budget is shorter
+    ttt_steps: int = 3  # = K of the demo configs
+    target_share: float = 0.45  # of the training minutes; the drafts split what the target leaves ...
+    eagle3_share: float = 0.6  # ... the EAGLE-3 head this fraction, the MTP module the rest
+    target_epochs: float = 20.0  # the cosine schedule's length, unless the time budget is shorter
     evals_per_epoch: int = 2  # validation scores per epoch ...
     patience: int = 4  # ... and how many may pass without improvement before the target stops
     draft_epochs: float = 40.0
+    rollout_sequences: int = 4096  # self-distillation rollouts of seq_len tokens (half greedy, half T = 1)
+    rollout_prompt_tokens: int = 64
+    rollout_share: float = 0.5  # of each draft batch
     max_steps: int = 100_000
     prompt_chars: int = 1200  # opening text stored per held-out file
+    check_prompts: int = 16  # held-out prompts of the CPU acceptance check
 
 
 TINY_SHAPE = RecipeShape(  # for the CPU test of the recipe
     vocab_size=300, draft_vocab_size=128, target=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                                       num_attention_heads=2, num_key_value_heads=1,
                                                       max_position_embeddings=256),
-    head_intermediate_size=64, seq_len=32, target_batch=4, draft_batch=4, max_steps=4, prompt_chars=300)
+    head_intermediate_size=64, seq_len=32, target_batch=4, draft_batch=4, max_steps=4, rollout_sequences=8,
+    rollout_prompt_tokens=8, prompt_chars=300, check_prompts=3)
 
 
-def build_demo_models(out: str | Path, workdir: str | Path, device: torch.device, minutes: float = 5.5,
-                      shape: RecipeShape = RecipeShape(), files: list[Path] | None = None, progress: bool = True
-                      ) -> dict:
-    """Run the recipe; the pair lands in ``workdir/demo``, the packed parts and a report in ``out``."""
+def build_demo_models(out: str | Path, workdir: str | Path, device: torch.device, minutes: float = 7.0,
+                      shape: RecipeShape = RecipeShape(), files: list[Path] | None = None, progress: bool = True,
+                      target_from: str | Path | None = None) -> dict:
+    """Run the recipe; the pair lands in ``workdir/demo``, the packed parts and a report in ``out``.
+
+    ``files``: the corpus (default: this Python's standard library). ``target_from``: a target (with its
+    tokenizer) an earlier run of the recipe trained on the same corpus; its phase is skipped and the drafts get
+    the whole budget."""
     out, demo_dir = Path(out), Path(workdir) / "demo"
     shutil.rmtree(demo_dir, ignore_errors=True)
     report: dict = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
                     "shape": asdict(shape), "minutes": minutes, "phases_s": {}}
     clock, budget = _Clock(report["phases_s"]), 60.0 * minutes
-    corpus = files if files is not None else _stdlib_corpus()
+    corpus = files if files is not None else stdlib_corpus()
     train, heldout = split_heldout(corpus, HELDOUT_EVERY)
     validation = split_heldout(corpus, HELDOUT_EVERY, VALIDATION_POSITION)[1]
     fit = [f for f in train if f not in set(validation)]
-    tokenizer = train_bpe_tokenizer(read_documents(train), shape.vocab_size)
+    tokenizer = load_tokenizer(target_from) if target_from else train_bpe_tokenizer(read_documents(train),
+                                                                                    shape.vocab_size)
     fit_tokens, val_tokens, held_tokens = (_tokenize(tokenizer, f) for f in (fit, validation, heldout))
-    report.update(train_files=len(fit), validation_files=len(validation), heldout_files=len(heldout),
-                  train_tokens=int(fit_tokens.numel()), validation_tokens=int(val_tokens.numel()))
+    report.update(corpus_root=str(corpus_root(corpus)), train_files=len(fit), validation_files=len(validation),
+                  heldout_files=len(heldout), train_tokens=int(fit_tokens.numel()),
+                  validation_tokens=int(val_tokens.numel()), heldout_tokens=int(held_tokens.numel()))
     clock.lap("corpus+tokenizer")
-    report["target"] = _target_phase(shape, tokenizer, fit_tokens, val_tokens, held_tokens, demo_dir / "target",
-                                     device, shape.target_share * budget, progress)
-    budget -= report["target"]["seconds"]
+    if target_from:
+        shutil.copytree(target_from, demo_dir / "target")
+        report["target"] = {"reused": str(target_from), "seconds": 0.0}
+    else:
+        report["target"] = _target_phase(shape, tokenizer, fit_tokens, val_tokens, held_tokens, demo_dir / "target",
+                                         device, shape.target_share * budget, progress)
     write_heldout(demo_dir / "heldout.json", corpus, heldout, HELDOUT_RULE, shape.prompt_chars)
     clock.lap("target")
-    streams = (torch.cat([fit_tokens, val_tokens]), held_tokens)  # the drafts train on every non-held-out file
-    for kind, share in (("eagle3", 0.6), ("mtp", 1.0)):
-        report[kind] = _draft_phase(kind, shape, demo_dir / "target", tuple(str(f) for f in corpus), streams,
-                                    Path(workdir) / f"run-{kind}", demo_dir / kind, device, share * budget, progress)
+    stream = torch.cat([fit_tokens, val_tokens])  # the drafts train on every non-held-out file
+    rollouts = _rollouts(shape, demo_dir / "target", stream, device)
+    report["rollout_tokens"] = int(rollouts.numel())
+    clock.lap("rollouts")
+    budget -= report["phases_s"]["target"] + report["phases_s"]["rollouts"]
+    for kind, share in (("eagle3", shape.eagle3_share), ("mtp", 1.0)):
+        report[kind] = _draft_phase(kind, shape, demo_dir / "target", tuple(str(f) for f in corpus),
+                                    (stream, held_tokens), rollouts, Path(workdir) / f"run-{kind}", demo_dir / kind,
+                                    device, share * budget, progress)
         budget -= report[kind]["seconds"]
         clock.lap(kind)
-    report["cpu_check"] = cpu_check(demo_dir, min(64, shape.seq_len), min(64, shape.seq_len))
+    report["cpu_check"] = cpu_check(demo_dir, min(64, shape.seq_len), min(64, shape.seq_len), shape.check_prompts)
     clock.lap("cpu check")
     (demo_dir / "recipe.json").write_text(json.dumps(report, indent=2))
     report["sizes"] = check_sizes(demo_dir)
@@ -107,18 +135,20 @@ def build_demo_models(out: str | Path, workdir: str | Path, device: torch.device
     return report
 
 
+def stdlib_corpus(root: str | Path | None = None, min_files: int = 200) -> list[Path]:
+    """Every .py file under ``root`` (default: this Python's standard library), site-packages excluded, sorted."""
+    root = Path(root) if root is not None else stdlib_root()
+    files = expand_paths([root], suffixes=(".py",))
+    if len(files) < min_files:
+        raise RuntimeError(f"only {len(files)} .py files under {root}: the standard library sources are missing "
+                           f"(the recipe needs at least {min_files})")
+    return files
+
+
 def _tokenize(tokenizer, files: list[Path]) -> torch.Tensor:
     if not files:
         return torch.zeros(0, dtype=torch.int32)
     return tokenize_documents(tokenizer, read_documents(files), tokenizer.eos_token_id)
-
-
-def _stdlib_corpus(min_files: int = 200) -> list[Path]:
-    files = stdlib_files()
-    if len(files) < min_files:
-        raise RuntimeError(f"only {len(files)} .py files under {stdlib_root()}: this Python's standard library "
-                           f"sources are missing (the recipe needs at least {min_files})")
-    return files
 
 
 def _epoch_steps(shape: RecipeShape, tokens: torch.Tensor, batch_size: int) -> float:
@@ -145,9 +175,19 @@ def _target_phase(shape: RecipeShape, tokenizer, fit: torch.Tensor, val: torch.T
     return summary
 
 
+def _rollouts(shape: RecipeShape, target_dir: Path, stream: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[rollout_sequences, seq_len] int32: the target's continuations of training prompts (shared by both drafts)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
+    rollouts = generate_rollouts(model, stream, shape.rollout_sequences, shape.rollout_prompt_tokens, shape.seq_len,
+                                 batch_size=1024 if device.type == "cuda" else 64)
+    del model
+    return rollouts
+
+
 def _draft_phase(kind: str, shape: RecipeShape, target_dir: Path, data: tuple[str, ...],
-                 streams: tuple[torch.Tensor, torch.Tensor], run_dir: Path, dest: Path, device: torch.device,
-                 budget_s: float, progress: bool) -> dict:
+                 streams: tuple[torch.Tensor, torch.Tensor], rollouts: torch.Tensor, run_dir: Path, dest: Path,
+                 device: torch.device, budget_s: float, progress: bool) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     per_kind = dict(lr=shape.mtp_lr) if kind == "mtp" else dict(
         lr=shape.eagle3_lr, draft_vocab=shape.draft_vocab_size, intermediate_size=shape.head_intermediate_size)
@@ -155,13 +195,15 @@ def _draft_phase(kind: str, shape: RecipeShape, target_dir: Path, data: tuple[st
     cfg = DraftTrainConfig(
         target=str(target_dir), data=data, kind=kind, out=str(run_dir), suffixes=(".py",), heldout_every=HELDOUT_EVERY,
         steps=steps, batch_size=shape.draft_batch, seq_len=shape.seq_len, ttt_steps=shape.ttt_steps,
-        time_budget_s=max(1.0, budget_s), save_every=0, device=str(device), progress=progress, **per_kind)
-    summary = train_draft(cfg, streams).summary
+        rollout_sequences=rollouts.shape[0], rollout_prompt_tokens=shape.rollout_prompt_tokens,
+        rollout_share=shape.rollout_share, time_budget_s=max(1.0, budget_s), save_every=0, device=str(device),
+        progress=progress, **per_kind)
+    summary = train_draft(cfg, streams, rollouts).summary
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "model.safetensors.index.json", "model-mtp.safetensors"):
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, dest / name)
-    result = {k: summary[k] for k in ("steps", "seconds", "last_step", "heldout")}
+    result = {k: summary[k] for k in ("steps", "seconds", "last_step", "heldout", "heldout_rollouts") if k in summary}
     print(f"{kind}: {result}", flush=True)
     return result
 
