@@ -34,12 +34,13 @@ def main() -> None:
     p.add_argument("--corpus", help="a standard library directory (default: this Python's)")
     p.add_argument("--target-from", help="a target directory (with tokenizer) built earlier on the same corpus")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and a few steps (a smoke test of the recipe)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs)")
     args = p.parse_args()
     start = time.perf_counter()
     workdir = args.workdir or tempfile.mkdtemp(prefix="tllm_spec_demo_")
     report = build_demo_models(args.out, workdir, torch.device(args.device), args.minutes,
                                TINY_SHAPE if args.tiny else RecipeShape(), files=stdlib_corpus(args.corpus),
-                               target_from=args.target_from)
+                               target_from=args.target_from, progress=not args.no_progress)
     print(json.dumps({k: report[k] for k in ("phases_s", "target", "eagle3", "mtp", "cpu_check", "sizes")}, indent=1))
     print(f"total {time.perf_counter() - start:.0f} s; pair built in {workdir}/demo")
     print(f"unpack into the package (from the repository root):\n  {unpack_command(args.out)}")

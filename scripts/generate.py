@@ -1,6 +1,10 @@
 """Generate with one-model speculative decoding; no arguments runs the embedded demo pair.
 
+A speculative run is followed by plain decoding of the same prompts on the same engine settings, and the two
+speeds, the speedup and the acceptance are printed (--no-baseline skips the plain run).
+
     python scripts/generate.py
+    python scripts/generate.py --mtp
     python scripts/generate.py --config configs/demo_eagle3.yaml --prompt "def main():"
     python scripts/generate.py --target /models/llama --draft /models/eagle3 -k 3 --temperature 0.7 \
         --prompt-file prompts.txt --batch-size 8
@@ -14,7 +18,8 @@ from pathlib import Path
 import torch
 
 from tllm_spec import RunConfig, SpecModel, load_run_config
-from tllm_spec.report import format_outputs
+from tllm_spec.comparison import compare
+from tllm_spec.report import format_comparison, format_outputs
 
 DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
 
@@ -24,8 +29,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", help="YAML run file (configs/*.yaml); flags below override it")
     p.add_argument("--target", help="HF causal-LM directory (default: the embedded demo target)")
     p.add_argument("--draft", help="EAGLE-3 head directory")
-    p.add_argument("--mtp", action="store_true", help="MTP modules from the target checkpoint instead of EAGLE-3")
+    p.add_argument("--mtp", action="store_true", help="MTP (MTP-Eagle) instead of EAGLE-3: modules from the target "
+                   "checkpoint (the demo target: its module demo://mtp)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same engine")
+    p.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run after a speculative one")
     p.add_argument("-k", "--max-draft-len", type=int, help="drafts per step")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompt-file", help="one prompt per line (\\n escapes allowed)")
@@ -80,14 +87,22 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     cfg = build_config(args)
-    model = SpecModel.from_run_config(cfg)
     prompts = read_prompts(args)
-    outputs = model.generate(prompts, cfg.sampling, seed=args.seed, progress=True)
-    print(format_outputs(outputs, prompts))
+    if cfg.spec_config is None or args.no_baseline:
+        outputs = SpecModel.from_run_config(cfg).generate(prompts, cfg.sampling, seed=args.seed, progress=True)
+        baseline, identical = None, None
+        print(format_outputs(outputs, prompts))
+    else:
+        comparison = compare(cfg, prompts, seed=args.seed, progress=True)
+        outputs, baseline, identical = comparison.spec, comparison.plain, comparison.same_tokens
+        print(format_outputs(outputs, prompts, aggregate=False))
+        print(format_comparison(comparison, cfg))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), "stats": outputs.stats, "outputs": [
             {"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-             "error": o.error, "stats": o.stats.summary()} for p, o in zip(prompts, outputs)]}, indent=2))
+             "error": o.error, "stats": o.stats.summary()} for p, o in zip(prompts, outputs)],
+            "baseline_stats": baseline.stats if baseline is not None else None,
+            "identical_to_baseline": identical}, indent=2))
 
 
 if __name__ == "__main__":

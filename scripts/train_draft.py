@@ -34,6 +34,7 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--draft-vocab", type=int, help="EAGLE-3: draft vocabulary size (most frequent tokens)")
     p.add_argument("--aux-layers", type=int, nargs=3, help="EAGLE-3: 0-based layers whose output is captured")
     p.add_argument("--intermediate-size", type=int, help="EAGLE-3 head MLP width (default: the target's)")
+    p.add_argument("--init-from", help="fine-tune this existing head / MTP directory (demo://eagle3, demo://mtp)")
     p.add_argument("--num-modules", type=int, default=1, help="MTP: > 1 trains vanilla MTP modules")
     p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="pre_norm")
     p.add_argument("--rollouts", type=int, default=0, help="self-distillation: target continuations of training "
@@ -53,7 +54,7 @@ def parse_args() -> DraftTrainConfig:
     fields = dict(target=a.target, data=tuple(a.data), kind=a.kind, out=a.out, steps=a.steps, batch_size=a.batch,
                   seq_len=a.seq_len, lr=a.lr, warmup_steps=a.warmup_steps, ttt_steps=a.ttt_steps,
                   draft_vocab=a.draft_vocab, aux_layers=tuple(a.aux_layers) if a.aux_layers else None,
-                  intermediate_size=a.intermediate_size, num_modules=a.num_modules,
+                  intermediate_size=a.intermediate_size, init_from=a.init_from, num_modules=a.num_modules,
                   hidden_feedback=a.hidden_feedback, rollout_sequences=a.rollouts,
                   rollout_prompt_tokens=a.rollout_prompt_tokens, rollout_share=a.rollout_share,
                   heldout_every=a.heldout_every, save_dtype=a.save_dtype,

@@ -51,12 +51,13 @@ def prompt_ids(tokenizer, texts: list[str], num_prompts: int, prompt_tokens: int
 
 
 def head_configs(eagle3: str | None, mtp: str | None, k: int) -> dict[str, SpecConfig]:
-    """Named speculative configs to evaluate; ``mtp == "target"`` reads MTP weights from the target dir."""
+    """Named speculative configs to evaluate; ``mtp == "target"`` reads MTP weights from the target dir. Sampled
+    requests (T > 0) are verified by rejection sampling; greedy ones by exact argmax comparison either way."""
     heads: dict[str, SpecConfig] = {}
     if eagle3:
-        heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k)
+        heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k, use_rejection_sampling=True)
     if mtp:
-        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k,
+        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, use_rejection_sampling=True,
                                  mtp_checkpoint=None if mtp == "target" else mtp)
     return heads
 

@@ -124,15 +124,32 @@ class EngineConfig(_Frozen):
                                  "norm/rotary/activation kernels around our attention, which stays eager)")
 
 
+DEMO_TARGET, DEMO_MTP = "demo://target", "demo://mtp"
+
+
 class RunConfig(_Frozen):
     """A YAML run file: target, speculative config, sampling, engine."""
 
     target_model: str | None = Field(None, description="HF causal-LM directory; None = the embedded demo target")
-    spec_config: SpecConfig | None = Field(None, description="eagle3 / mtp; None = plain decoding")
+    spec_config: SpecConfig | None = Field(None, description="eagle3 / mtp; None = plain decoding (MTP on the demo "
+                                           "target without mtp_checkpoint reads the demo's module, demo://mtp)")
     sampling: SamplingParams = SamplingParams()
     engine: EngineConfig = EngineConfig()
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:1' or 'auto'")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _demo_mtp_module(cls, data: object) -> object:
+        """The demo target ships its MTP module beside it, not inside its checkpoint: point MTP there."""
+        if not isinstance(data, dict) or data.get("target_model") not in (None, DEMO_TARGET):
+            return data
+        spec = data.get("spec_config")
+        if isinstance(spec, MTPConfig) and spec.mtp_checkpoint is None:
+            return {**data, "spec_config": spec.model_copy(update={"mtp_checkpoint": DEMO_MTP})}
+        if isinstance(spec, dict) and spec.get("decoding_type") == "mtp" and spec.get("mtp_checkpoint") is None:
+            return {**data, "spec_config": {**spec, "mtp_checkpoint": DEMO_MTP}}
+        return data
 
 
 def load_run_config(path: str | Path) -> RunConfig:

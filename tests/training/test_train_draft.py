@@ -90,3 +90,21 @@ def test_aux_layer_zero_is_refused():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="draft_vocab"):
         train_config("mtp", "x", draft_vocab=64)
+    with pytest.raises(ValueError, match="init_from"):
+        train_config("eagle3", "x", init_from="somewhere", draft_vocab=64)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_init_from_starts_at_the_existing_draft(kind):
+    """A fine-tune with a negligible learning rate writes back the weights it started from, shape and draft
+    vocabulary included, and scores what the original scores on the held-out files."""
+    original = trained(kind)
+    tuned = train_draft(train_config(kind, f"run-init-{kind}", steps=1, lr=1e-12, warmup_steps=0,
+                                     init_from=str(original.out)))
+    name = "model.safetensors" if kind == "eagle3" else "model-mtp.safetensors"
+    before, after = load_file(str(original.out / name)), load_file(str(tuned.out / name))
+    assert set(before) == set(after)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    for level in ("acc0", "acc1", "acc2"):
+        assert abs(tuned.summary["heldout"][level] - original.summary["heldout"][level]) < 0.02

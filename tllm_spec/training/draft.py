@@ -12,12 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoModelForCausalLM
 
 from .. import demo
+from ..drafts.eagle3 import resolve_capture_layers
 from ..drafts.eagle3_checkpoint import save_eagle3_checkpoint
-from ..drafts.mtp_checkpoint import save_mtp_weights
+from ..drafts.mtp_checkpoint import load_mtp_checkpoint, save_mtp_weights
 from ..tokenizer import load_tokenizer
 from .data import HELDOUT_EVERY, TEXT_SUFFIXES, eval_windows, expand_paths, read_documents, sample_rows, \
     sample_windows, split_heldout, tokenize_documents
-from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, init_head
+from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, head_from_checkpoint, init_head, load_head
 from .loop import LoopConfig, autocast, run_loop
 from .mtp import MTPTrainer, init_mtp_modules
 from .rollout import generate_rollouts
@@ -46,6 +47,8 @@ class DraftTrainConfig(BaseModel):
     aux_layers: tuple[int, int, int] | None = Field(None, description="EAGLE-3: 0-based layers whose OUTPUT is "
                                                     "captured; default (1, L//2-1, L-4)")
     intermediate_size: int | None = Field(None, ge=1, description="EAGLE-3 head MLP width; default the target's")
+    init_from: str | None = Field(None, description="fine-tune this existing head / MTP directory instead of a "
+                                  "fresh draft (its own shape, vocabulary and aux layers are kept)")
     num_modules: int = Field(1, ge=1, le=8, description="MTP: >1 trains vanilla MTP (one level per module)")
     hidden_feedback: Literal["pre_norm", "post_norm"] = Field("pre_norm", description="MTP: the hidden fed to "
                                                               "the next level (must match MTPConfig)")
@@ -65,6 +68,8 @@ class DraftTrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> DraftTrainConfig:
+        if self.init_from and (self.draft_vocab is not None or self.intermediate_size is not None):
+            raise ValueError("init_from keeps the existing draft's shape: leave draft_vocab and intermediate_size unset")
         if self.kind == "mtp" and self.draft_vocab is not None:
             raise ValueError("draft_vocab: MTP modules share the target's lm_head (full vocabulary)")
         if self.kind == "mtp" and self.num_modules > 1 and self.ttt_steps not in (1, self.num_modules):
@@ -145,8 +150,17 @@ def _build(cfg: DraftTrainConfig, model, stream: torch.Tensor, eos_token_id: int
     num_layers = model.config.num_hidden_layers
     if cfg.kind == "mtp":
         teacher = Teacher(model)
-        return MTPTrainer(init_mtp_modules(teacher, cfg.num_modules, cfg.seed), teacher,
-                          cfg.num_modules if cfg.num_modules > 1 else cfg.ttt_steps, cfg.hidden_feedback), teacher
+        modules = init_mtp_modules(teacher, cfg.num_modules, cfg.seed)
+        if cfg.init_from:
+            ckpt = load_mtp_checkpoint(demo.resolve(cfg.init_from), num_layers, cfg.num_modules)
+            for i, (module, state) in enumerate(zip(modules, ckpt.modules)):
+                module.load_canonical(state, lambda key, i=i: ckpt.disk_name(i, key))
+        return MTPTrainer(modules, teacher, cfg.num_modules if cfg.num_modules > 1 else cfg.ttt_steps,
+                          cfg.hidden_feedback), teacher
+    if cfg.init_from:
+        ckpt, vocab = load_head(demo.resolve(cfg.init_from), model)
+        teacher = Teacher(model, resolve_capture_layers(cfg.aux_layers, ckpt.config.aux_layer_ids, num_layers))
+        return Eagle3Trainer(head_from_checkpoint(ckpt, teacher), vocab, cfg.ttt_steps), teacher
     aux = tuple(cfg.aux_layers or default_aux_layers(num_layers))
     teacher = Teacher(model, aux)
     vocab_size = model.get_output_embeddings().weight.shape[0]

@@ -10,13 +10,15 @@ output space), and the token embedding is the target's own, frozen and not saved
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..drafts.eagle3 import Eagle3DraftModel
-from ..drafts.eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
+from ..drafts.eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig, load_eagle3_checkpoint
 from .teacher import Teacher, TeacherOutputs, distill_level, level_weights, shift_ids
 from .ttt import TTTCache
 from .vocab import DraftVocab
@@ -65,6 +67,23 @@ def init_head(config: Eagle3HeadConfig, teacher: Teacher, vocab: DraftVocab, see
         draft.lm_head.weight.copy_(teacher.lm_head.weight[vocab.draft_ids.to(draft.lm_head.weight.device)])
         draft.norm.weight.copy_(teacher.decoder.norm.weight)
         draft.d2t.copy_(vocab.d2t)
+    return draft
+
+
+def load_head(path: str | Path, teacher_model: nn.Module) -> tuple[Eagle3Checkpoint, DraftVocab]:
+    """An existing head to fine-tune: its checkpoint (read against the target's sizes) and its draft vocabulary."""
+    config = teacher_model.config
+    ckpt = load_eagle3_checkpoint(path, target_hidden_size=config.hidden_size, target_vocab_size=config.vocab_size)
+    d2t = ckpt.state_dict["d2t"]
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    return ckpt, DraftVocab(d2t.clone(), t2d)
+
+
+def head_from_checkpoint(ckpt: Eagle3Checkpoint, teacher: Teacher) -> Eagle3DraftModel:
+    """An fp32 trainable copy of ``ckpt``'s head on the teacher's device, with the target's (frozen) embedding."""
+    draft = Eagle3DraftModel.from_checkpoint(ckpt, 0, nn.Embedding(1, 1), torch.float32, teacher.lm_head.weight.device)
+    draft.embed_tokens = teacher.decoder.embed_tokens
     return draft
 
 
