@@ -60,8 +60,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     if args.draft:
         spec = {**({} if spec.get("decoding_type") != "eagle3" else spec), "decoding_type": "eagle3",
                 "speculative_model": args.draft}
-    if args.mtp:
-        spec = {"decoding_type": "mtp"}
+    if args.mtp and spec.get("decoding_type") != "mtp":  # MTP-Eagle with the same number of drafts
+        spec = {"decoding_type": "mtp", "max_draft_len": spec.get("max_draft_len")}
     if args.max_draft_len and spec:
         spec["max_draft_len"] = args.max_draft_len
     cfg["spec_config"] = None if args.no_spec else (spec or None)

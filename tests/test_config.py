@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tllm_spec import Eagle3Config, EngineConfig, MTPConfig, SamplingParams, load_run_config
+from tllm_spec import Eagle3Config, EngineConfig, MTPConfig, RunConfig, SamplingParams, load_run_config
 from tllm_spec import SpeculativeDecodingMode as Mode
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -75,3 +75,13 @@ def test_yaml_errors_name_file_and_field(tmp_path):
 
 def test_engine_config_defaults():
     assert EngineConfig().page_size == 16
+
+
+def test_mtp_on_the_demo_target_reads_the_demo_module():
+    for target in (None, "demo://target"):
+        assert RunConfig(target_model=target, spec_config=MTPConfig()).spec_config.mtp_checkpoint == "demo://mtp"
+        loaded = RunConfig.model_validate({"target_model": target, "spec_config": {"decoding_type": "mtp"}})
+        assert loaded.spec_config.mtp_checkpoint == "demo://mtp"
+    assert RunConfig(target_model="/models/x", spec_config=MTPConfig()).spec_config.mtp_checkpoint is None
+    explicit = RunConfig(spec_config=MTPConfig(mtp_checkpoint="/heads/mtp")).spec_config.mtp_checkpoint
+    assert explicit == "/heads/mtp"
