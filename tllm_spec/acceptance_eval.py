@@ -2,6 +2,9 @@
 (bonus token included), the acceptance rate per draft position and the histogram of accepted drafts; plus
 wall-clock tokens/s with and without speculation on the same engine (batch 1, T = 0).
 
+Sampled temperatures are verified by rejection sampling (``use_rejection_sampling=True``: drafts drawn at the
+request's temperature, accepted with probability min(1, p/q)); T = 0 by exact argmax comparison.
+
 Prompts are the first ``prompt_tokens`` tokens of held-out files. The demo recipe stores the held-out files'
 opening text in ``assets/demo/heldout.json`` so the prompts do not depend on the local Python's stdlib.
 Generation ignores EOS (every request runs ``max_new_tokens``) so all heads see the same amount of text.
