@@ -120,8 +120,12 @@ class EngineConfig(_Frozen):
                                   "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
-    compile_target: bool = Field(False, description="torch.compile the target's decoder layers (GPU; fuses the "
-                                 "norm/rotary/activation kernels around our attention, which stays eager)")
+    use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral) and "
+                                   "EAGLE-3 heads through tllm_spec's layers with fused q/k/v and gate/up GEMMs; "
+                                   "False: the stock HF modules")
+    compile_step: bool = Field(True, description="CUDA: torch.compile each CUDA-graph bucket's whole generation "
+                               "step (fused targets) or the decoder layers (stock modules); ignored on CPU and "
+                               "with enforce_eager")
 
 
 class RunConfig(_Frozen):

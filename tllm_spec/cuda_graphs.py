@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm.auto import tqdm
 
 from .attention import AttentionMetadata
 from .config import SamplingParams
@@ -51,12 +52,15 @@ class CUDAGraphRunner:
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def capture_all(self) -> None:
-        """Capture every bucket now (on all-padding inputs), so no step later pays for a capture."""
-        for size in self.buckets:
-            if size not in self.graphs:
-                self._fill([], [], [], [], [], size)
-                self.graphs[size] = self._capture(size)
+    def capture_all(self, progress: bool = True) -> None:
+        """Capture every bucket now (on all-padding inputs), so no step later pays for a capture. The first
+        bucket also pays for torch.compile (Inductor's on-disk cache makes a second start quick)."""
+        todo = [size for size in self.buckets if size not in self.graphs]
+        bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="bucket", disable=not progress or not todo)
+        for size in bar:
+            bar.set_postfix_str(f"batch {size}")
+            self._fill([], [], [], [], [], size)
+            self.graphs[size] = self._capture(size)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
             params: list[SamplingParams]) -> torch.Tensor:

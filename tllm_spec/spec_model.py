@@ -46,9 +46,14 @@ class SpecModel(nn.Module):
         self.kv_cache = self._make_kv_cache()
         worker.allocate_state(self.max_batch_size + 1, target.vocab_size, self.device)  # + the padding slot
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
-        if engine_config.compile_target and self.device.type == "cuda":
-            target.compile_layers()
+        if engine_config.use_fused_layers:
+            max_positions = self.max_seq_len + 2 * self.max_draft_len + 2
+            target.fuse(max_positions)
+            worker.fuse(max_positions)
         use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
+        if use_graphs and engine_config.compile_step:
+            target.compile()
+            worker.compile()
         self.graph_runner = CUDAGraphRunner(self) if use_graphs else None
 
     @classmethod
@@ -104,9 +109,9 @@ class SpecModel(nn.Module):
         input_ids [T] int64 in the flat layout; draft_tokens [G, K] int64 (the drafts being verified).
         Returns new_tokens [B, K+1], new_tokens_lens [B], next_draft_tokens [B, K], next_new_tokens [B, K+1].
         """
-        hidden = self.target(input_ids, attn)
+        hidden, captured = self.target(input_ids, attn)
         logits = self.target.compute_logits(hidden[self.spec_metadata.gather_ids[:self.spec_metadata.num_rows]])
-        features = self.target.captured_hidden() if self.mode.is_eagle3_one_model() else hidden
+        features = captured if self.mode.is_eagle3_one_model() else hidden
         return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
 
     def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],

@@ -1,4 +1,9 @@
-"""TargetModel: a stock Hugging Face causal LM run on a packed batch through tllm_spec attention."""
+"""TargetModel: a stock Hugging Face causal LM run on a packed batch through tllm_spec attention.
+
+Supported dense architectures run through :class:`~tllm_spec.decoder.FusedDecoder` (fused q/k/v and gate/up
+GEMMs, weights shared with the stock modules) once :meth:`TargetModel.fuse` is called; anything else, or a
+target left unfused, runs the stock HF decoder modules with our attention behind transformers'
+``AttentionInterface``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +13,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
+from .decoder import FusedDecoder
 
 
 class TargetModel(nn.Module):
@@ -25,6 +31,8 @@ class TargetModel(nn.Module):
         self.lm_head = hf_model.get_output_embeddings()
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_ids: tuple[int, ...] = ()
+        self.fused: FusedDecoder | None = None
+        self._fused_compiled = None  # torch.compile of fused.forward, for generation-only (graphed) steps
         self.compiled = False
         self.checkpoint_dir: Path | None = None  # set by load(); MTP weights are read from here
 
@@ -50,8 +58,29 @@ class TargetModel(nn.Module):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return cls(hf.eval())
 
-    def compile_layers(self) -> None:
-        """torch.compile every decoder layer (dynamic shapes: one compilation serves every batch size)."""
+    def fuse(self, max_positions: int) -> bool:
+        """Switch to the fused decoder (RoPE table for positions < ``max_positions``); False when the
+        architecture is not supported (the stock modules stay in use)."""
+        if self.fused is None:
+            self.fused = FusedDecoder.from_hf(self.hf, max_positions)
+            if self.fused is not None:
+                self.fused.capture_ids = self._capture_ids
+        elif self.fused.rotary.max_positions < max_positions:
+            self.fused.rotary.resize(max_positions)
+        return self.fused is not None
+
+    @property
+    def decoder_layer_class(self) -> type[nn.Module]:
+        """The stock HF decoder-layer class (MTP blocks are built from it)."""
+        return type(self.decoder.layers[0])
+
+    def compile(self) -> None:
+        """torch.compile the decoder with dynamic shapes (one compilation serves every batch bucket): the fused
+        decoder whole, for generation-only steps (prompts keep the eager path: their lengths vary); the stock
+        modules layer by layer."""
+        if self.fused is not None:
+            self._fused_compiled = self._fused_compiled or torch.compile(self.fused.forward, dynamic=True)
+            return
         if self.compiled:
             return
         for i, layer in enumerate(self.decoder.layers):
@@ -83,24 +112,28 @@ class TargetModel(nn.Module):
                 raise ValueError(f"cannot capture layer {i}: the target has {self.num_layers} decoder layers")
             self.decoder.layers[i].register_forward_hook(self._make_hook(i))
         self._capture_ids = tuple(sorted(layer_ids))
+        if self.fused is not None:
+            self.fused.capture_ids = self._capture_ids
 
     def _make_hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
             self._captured[layer] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    def captured_hidden(self) -> torch.Tensor:
-        """The captured layer outputs of the last forward, concatenated low -> high layer. [T, n*H]."""
-        return torch.cat([self._captured[i][0] for i in self._capture_ids], dim=-1)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states of a packed batch. input_ids [T] int64 -> [T, H]."""
-        out = self.decoder(input_ids=input_ids[None], position_ids=attn.positions[None], use_cache=False,
-                           tllm_attn=attn)
-        return out.last_hidden_state[0]
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A packed batch: input_ids [T] int64 -> (final-normed hidden [T, H], the capture layers' outputs
+        concatenated low -> high layer [T, n*H], or None when no layer is captured)."""
+        if self.fused is not None:
+            use_compiled = self._fused_compiled is not None and not attn.context_lens
+            hidden, captured = (self._fused_compiled if use_compiled else self.fused)(input_ids, attn)
+        else:
+            out = self.decoder(input_ids=input_ids[None], position_ids=attn.positions[None], use_cache=False,
+                               tllm_attn=attn)
+            hidden, captured = out.last_hidden_state[0], [self._captured[i][0] for i in self._capture_ids]
+        return hidden, torch.cat(captured, dim=-1) if captured else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R, V] in fp32."""

@@ -80,8 +80,21 @@ def test_no_host_sync_inside_generation_step():
     assert calls.count(False) >= 3
 
 
-def test_compiled_target_is_lossless():
-    target, model = _model("llama", 3, torch.float32, eager=False, compile_target=True)
+@pytest.mark.parametrize("fused", [True, False])
+def test_compiled_step_is_lossless(fused):
+    target, model = _model("qwen2", 3, torch.float32, eager=False, use_fused_layers=fused)
+    assert (model.target.fused is not None) == fused
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
     for p, n, out in zip(PROMPTS, MAX_NEW, outs):
         assert out.token_ids == hf_greedy(target, p, n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_graphed_bf16_equals_eager(arch):
+    """The default fast path (fused, compiled, graphed) and the eager stock-layer path give the same greedy
+    tokens in bf16 on a small model."""
+    _, fast = _model(arch, 3, torch.bfloat16, eager=False)
+    _, eager = _model(arch, 3, torch.bfloat16, eager=True, use_fused_layers=False, compile_step=False)
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    for x, y in zip(fast.generate(PROMPTS, params), eager.generate(PROMPTS, params)):
+        assert x.token_ids == y.token_ids

@@ -44,6 +44,12 @@ class SpecWorkerBase(nn.Module, ABC):
         """(num_kv_heads, head_dim) of the draft network's cache layers, placed after the target's."""
         return []
 
+    def fuse(self, max_positions: int) -> None:
+        """Switch the draft network to its fused inference layers (positions < max_positions); default none."""
+
+    def compile(self) -> None:
+        """torch.compile the draft network's passes for generation-only steps; default none."""
+
     def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Target tokens for every row. logits [R, V] -> [R] int64."""
         temps, top_ks, top_ps = spec_metadata.rows()

@@ -34,6 +34,12 @@ class Eagle3OneModelWorker(SpecWorkerBase):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return [self.draft_model.kv_shape]
 
+    def fuse(self, max_positions: int) -> None:
+        self.draft_model.fuse(max_positions)
+
+    def compile(self) -> None:
+        self.draft_model.compile()
+
     def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:

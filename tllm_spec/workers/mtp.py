@@ -20,7 +20,6 @@ from ..config import MTPConfig
 from ..drafts.mtp import MTPDraftModel
 from ..drafts.mtp_checkpoint import load_mtp_checkpoint
 from ..forced_acceptance import forced_num_accepted
-from ..kv_cache import SCRATCH_PAGE
 from ..metadata import SpecMetadata
 from ..target import TargetModel
 from .base import SpecWorkerBase
@@ -240,8 +239,6 @@ def _window_attention(attn: AttentionMetadata, token_slots: torch.Tensor, positi
                       ) -> AttentionMetadata:
     """The step's metadata (context part unchanged) over the window rows. Rows at negative positions (short
     prompts) attend position 0 and write their K/V to the scratch page, so no real entry is touched."""
-    clamped = positions.clamp(min=0)
-    write_index = attn.kv_cache.write_index(token_slots, clamped)
-    scratch = SCRATCH_PAGE * attn.kv_cache.page_size
-    return replace(attn, positions=clamped, token_slots=token_slots,
-                   write_index=torch.where(positions >= 0, write_index, scratch))
+    padding = torch.full_like(token_slots, attn.kv_cache.padding_slot)  # its block-table row is all scratch
+    return replace(attn, positions=positions.clamp(min=0), token_slots=token_slots,
+                   write_slots=torch.where(positions >= 0, token_slots, padding))
