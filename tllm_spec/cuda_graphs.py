@@ -52,6 +52,7 @@ class CUDAGraphRunner:
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
+    @torch.inference_mode()
     def capture_all(self, progress: bool = True) -> None:
         """Capture every bucket now (on all-padding inputs), so no step later pays for a capture. The first
         bucket also pays for torch.compile (Inductor's on-disk cache makes a second start quick)."""

@@ -25,7 +25,7 @@ class TargetModel(nn.Module):
 
     def __init__(self, hf_model: PreTrainedModel):
         super().__init__()
-        self.hf = hf_model
+        self.hf = hf_model.requires_grad_(False)  # inference only (draft training freezes the target too)
         self.config = hf_model.config
         self.decoder = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()

@@ -19,9 +19,8 @@ def test_kv_write_matches_reference(tokens, heads, dim, page, dtype):
     g = torch.Generator(device="cuda").manual_seed(tokens)
     num_pages, slots = 64, 4
     block_tables = torch.randperm(num_pages - 1, device="cuda", generator=g)[:slots * 8].view(slots, 8).int() + 1
-    token_slots = torch.randint(0, slots, (tokens,), device="cuda", generator=g)
-    positions = torch.randperm(8 * page, device="cuda", generator=g)[:tokens]  # distinct per slot is enough
-    positions = positions + 0  # int64
+    flat = torch.randperm(slots * 8 * page, device="cuda", generator=g)[:tokens]  # distinct (slot, position)
+    token_slots, positions = flat // (8 * page), flat % (8 * page)
     k = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.float32, generator=g)
     v = torch.randn_like(k)
     a = _cache(num_pages, page, heads, dim, dtype)
