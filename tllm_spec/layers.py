@@ -14,6 +14,9 @@ from torch import nn
 
 from .attention import AttentionMetadata, attend
 
+# Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` computing ``cat([l(x) for l in linears], -1)``; the sources' weights (and biases) become

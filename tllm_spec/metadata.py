@@ -29,6 +29,7 @@ class SpecMetadata:
         self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # [1] int64
         self.num_context_requests = 0
         self.num_generation_requests = 0
+        self._prepared: tuple[list[SamplingParams], tuple[int, ...]] = ([], ())  # what the rows hold now
 
     @property
     def num_rows(self) -> int:
@@ -44,6 +45,9 @@ class SpecMetadata:
         context_lens: prompt tokens of each context request this step (their tokens come first in the flat
         token layout, generation requests' K+1 tokens after).
         """
+        if self._holds(params, context_lens):
+            return  # a steady batch: the rows are already there (no host work, no copies)
+        self._prepared = (list(params), tuple(context_lens))
         num_ctx, rows_per_gen = len(context_lens), self.max_draft_len + 1
         self.num_context_requests, self.num_generation_requests = num_ctx, len(params) - num_ctx
         repeats = [1] * num_ctx + [rows_per_gen] * self.num_generation_requests
@@ -61,6 +65,11 @@ class SpecMetadata:
         self.top_ks[:rows].copy_(torch.tensor(top_ks, dtype=torch.int32), non_blocking=True)
         self.top_ps[:rows].copy_(torch.tensor(top_ps, dtype=torch.float32), non_blocking=True)
         self.gather_ids[:rows].copy_(torch.cat([ends_ctx, gen_ids]), non_blocking=True)
+
+    def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int]) -> bool:
+        held, held_lens = self._prepared
+        return (tuple(context_lens) == held_lens and len(params) == len(held)
+                and all(a is b for a, b in zip(params, held)))
 
     def first_rows(self) -> torch.Tensor:
         """Index of each request's first row (context: its only row; generation: its K+1 block). [B] int64."""

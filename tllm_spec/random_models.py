@@ -14,6 +14,7 @@ from .drafts.eagle3_checkpoint import Eagle3Checkpoint, random_eagle3_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
+DRAFT_VOCAB_SIZE = 32000  # EAGLE-3 heads for Llama-3.1-8B / Qwen3-8B (e.g. EAGLE3-LLaMA3.1-Instruct-8B)
 SHAPES = {
     "tiny": TINY,
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -75,8 +76,9 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
     config = AutoConfig.for_model("llama" if shape != "qwen3-8b" else "qwen3", **SHAPES[shape])
     target = TargetModel.from_config(config, dtype, device, seed)
     spec_config = None
-    if spec == "eagle3":
-        head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1)
+    if spec == "eagle3":  # the released heads of 8B-class targets draft over 32000 tokens (a d2t-mapped subset)
+        head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1,
+                                draft_vocab_size=min(config.vocab_size, DRAFT_VOCAB_SIZE))
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len)
     elif spec != "none":
         raise ValueError(f"spec must be 'eagle3' or 'none', got {spec!r}")

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
 from .decoder import FusedDecoder
+from .layers import COMPILE_OPTIONS
 
 
 class TargetModel(nn.Module):
@@ -79,7 +80,8 @@ class TargetModel(nn.Module):
         decoder whole, for generation-only steps (prompts keep the eager path: their lengths vary); the stock
         modules layer by layer."""
         if self.fused is not None:
-            self._fused_compiled = self._fused_compiled or torch.compile(self.fused.forward, dynamic=True)
+            self._fused_compiled = self._fused_compiled or torch.compile(self.fused.forward, dynamic=True,
+                                                                             options=COMPILE_OPTIONS)
             return
         if self.compiled:
             return

@@ -91,10 +91,12 @@ def test_compiled_step_is_lossless(fused):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_compiled_graphed_bf16_equals_eager(arch):
-    """The default fast path (fused, compiled, graphed) and the eager stock-layer path give the same greedy
-    tokens in bf16 on a small model."""
+    """The default fast path (compiled, graphed) and the eager path over the same fused layers give the same
+    greedy tokens in bf16 on a small model (fused vs split GEMMs differ in bf16 rounding: the fp32 tests
+    against HF generate cover that equivalence)."""
     _, fast = _model(arch, 3, torch.bfloat16, eager=False)
-    _, eager = _model(arch, 3, torch.bfloat16, eager=True, use_fused_layers=False, compile_step=False)
+    _, eager = _model(arch, 3, torch.bfloat16, eager=True)
+    assert fast.target.fused is not None and fast.target._fused_compiled is not None
     params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
     for x, y in zip(fast.generate(PROMPTS, params), eager.generate(PROMPTS, params)):
         assert x.token_ids == y.token_ids

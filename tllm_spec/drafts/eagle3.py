@@ -6,7 +6,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..attention import AttentionMetadata, attend
-from ..layers import MLP, Attention, RotaryTable, apply_rotary
+from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary
 from .eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
 
@@ -119,7 +119,7 @@ class Eagle3DraftModel(nn.Module):
 
     def compile(self) -> None:
         """torch.compile the passes (dynamic shapes) for steps without prompts; prompts stay eager."""
-        self._compiled = self._compiled or torch.compile(self._forward, dynamic=True)
+        self._compiled = self._compiled or torch.compile(self._forward, dynamic=True, options=COMPILE_OPTIONS)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """input_ids [N] (the token after each position), hidden [N, 3H_t] or [N, H] -> pre-norm hidden [N, H]."""
