@@ -27,7 +27,9 @@ class AttentionMetadata:
     (the row each token's K/V is written through, when it differs from token_slots: the padding slot sends a
     write to the scratch page). Host values, fixed when the step is built (never read back from the device):
     ``context_lens``, the prompt lengths of the context requests, whose tokens come first and attend only to
-    themselves; ``max_kv_len``, a bound on positions + 1 (limits the reference's work).
+    themselves; ``max_kv_len``, a bound on positions + 1 (limits the reference's work);
+    ``tokens_per_request``, how many consecutive non-context tokens share a request (K+1 in a step's verify
+    rows, 1 in a draft pass): the GPU kernel reads each request's K/V once for all of them.
     """
 
     kv_cache: KVCache
@@ -36,11 +38,13 @@ class AttentionMetadata:
     max_kv_len: int
     context_lens: tuple[int, ...] = ()
     write_slots: torch.Tensor | None = None
+    tokens_per_request: int = 1
 
     @classmethod
     def build(cls, kv_cache: KVCache, token_slots: torch.Tensor, positions: torch.Tensor, max_kv_len: int,
-              context_lens: tuple[int, ...] = ()) -> AttentionMetadata:
-        return cls(kv_cache, positions, token_slots, max_kv_len, tuple(context_lens))
+              context_lens: tuple[int, ...] = (), tokens_per_request: int = 1) -> AttentionMetadata:
+        return cls(kv_cache, positions, token_slots, max_kv_len, tuple(context_lens),
+                   tokens_per_request=tokens_per_request)
 
     @property
     def num_context_tokens(self) -> int:
@@ -67,7 +71,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     if num_ctx == 0 or not q.is_cuda:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         return op(q.contiguous(), k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
-                  meta.positions, scale, meta.max_kv_len, sliding_window or 0)
+                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, meta.tokens_per_request)
     kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
     out[:num_ctx] = prefill_attention(q[:num_ctx], k[:num_ctx], v[:num_ctx], meta.context_lens, scale,
@@ -75,18 +79,18 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     if num_ctx < q.shape[0]:
         out[num_ctx:] = paged_attention(q[num_ctx:].contiguous(), k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
-                                        meta.max_kv_len, sliding_window)
+                                        meta.max_kv_len, sliding_window, meta.tokens_per_request)
     return out
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, block_tables: torch.Tensor, token_slots: torch.Tensor,
                      write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
-                     sliding_window: int) -> torch.Tensor:
+                     sliding_window: int, query_len: int) -> torch.Tensor:
     """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
     kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
     return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                           sliding_window or None)
+                           sliding_window or None, query_len)
 
 
 _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", write_and_attend,
@@ -95,7 +99,7 @@ _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", wr
 
 @_write_and_attend_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
-      sliding_window):
+      sliding_window, query_len):
     return torch.empty_like(q)
 
 

@@ -91,7 +91,8 @@ class CUDAGraphRunner:
         ids, positions, slots = self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens]
         drafts = self.inputs[3, :size * self.k].view(size, self.k)
         kv = self.model.kv_cache
-        attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size)
+        attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
+                                       tokens_per_request=self.k + 1)
         return pack_outputs(self.model(ids, attn, drafts))
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

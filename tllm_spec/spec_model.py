@@ -125,7 +125,8 @@ class SpecModel(nn.Module):
         device = self.device
         attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
                                        torch.tensor(positions, device=device),
-                                       max(positions) + 2 * self.max_draft_len + 2, context_lens)
+                                       max(positions) + 2 * self.max_draft_len + 2, context_lens,
+                                       tokens_per_request=self.max_draft_len + 1)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, self.max_draft_len)
         return pack_outputs(self(torch.tensor(ids, device=device), attn, draft_tokens))
 

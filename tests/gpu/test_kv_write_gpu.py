@@ -42,12 +42,12 @@ def test_write_and_attend_compiles_without_copying_the_cache():
 
     def step(q, k, v):
         return torch.ops.tllm_spec.write_and_attend(q * 2, k + 1, v, k_cache, v_cache, block_tables, slots, slots,
-                                                    positions, 0.125, 128, 0)
+                                                    positions, 0.125, 128, 0, 5)
 
     out = torch.compile(step, fullgraph=True)(q, k, v)
     cached = k_cache.clone()
     k_cache.zero_(), v_cache.zero_()
     expected = write_and_attend(q * 2, k + 1, v, k_cache, v_cache, block_tables, slots, slots, positions, 0.125,
-                                128, None or 0)
+                                128, 0, 5)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(cached, k_cache)  # the compiled op wrote the caller's cache in place

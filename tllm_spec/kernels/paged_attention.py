@@ -53,8 +53,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference."""
+                    sliding_window: int | None = None, query_len: int = 1) -> torch.Tensor:
+    """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference.
+
+    ``query_len``: consecutive query tokens that belong to one request (K+1 in a verify step, 1 in a draft
+    step): one program serves all of them, so a request's K/V is read once, not once per query token. The
+    caller guarantees that every run of ``query_len`` tokens shares one slot; 1 is always correct.
+    """
     if triton is None or not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                                    sliding_window)
@@ -62,16 +67,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous q/k/v expected"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and num_q_heads % num_kv_heads == 0
-    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and query_len >= 1
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, token_slots, positions, out, scale,
+    _paged_attention_kernel[(triton.cdiv(num_tokens, query_len), num_kv_heads)](
+        q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, num_tokens,
         block_tables.stride(0), sliding_window or 0,
-        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
+        ROWS_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
@@ -81,46 +86,53 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
-                                scale, bt_stride, window, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One program per (query token, KV head): the GROUP query heads sharing that KV head, online softmax
-        over key blocks 0..position (or the sliding window)."""
-        token = tl.program_id(0)
+                                scale, num_tokens, bt_stride, window, PAGE_SIZE: tl.constexpr,
+                                NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, QUERY_LEN: tl.constexpr,
+                                ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                                BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One program per (run of QUERY_LEN query tokens of one request, KV head). Its rows are the
+        QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP, head r % GROUP), each
+        with its own causal bound; online softmax over key blocks up to the run's last position."""
+        first = tl.program_id(0) * QUERY_LEN
         kv_head = tl.program_id(1)
-        slot = tl.load(token_slots_ptr + token).to(tl.int64)
-        pos = tl.load(positions_ptr + token).to(tl.int64)
-        heads = tl.arange(0, GROUP_PAD)
+        rows = tl.arange(0, ROWS_PAD)
+        token = first + rows // GROUP
+        row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)
+        pos = tl.load(positions_ptr + token, mask=row_ok, other=-1).to(tl.int64)  # [ROWS_PAD]
+        slot = tl.load(token_slots_ptr + first).to(tl.int64)
         dims = tl.arange(0, HEAD_DIM_PAD)
-        head_ok = heads < GROUP
         dim_ok = dims < HEAD_DIM
-        q_rows = (token * NUM_KV_HEADS * GROUP + kv_head * GROUP + heads) * HEAD_DIM
-        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        start = pos * 0
+        q_rows = (token * NUM_KV_HEADS * GROUP + kv_head * GROUP + rows % GROUP) * HEAD_DIM
+        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS_PAD], tl.float32)
+        acc = tl.zeros([ROWS_PAD, HEAD_DIM_PAD], tl.float32)
+        last = tl.max(pos, 0)
+        start = last * 0
         if window > 0:
-            start = (tl.maximum(pos - window + 1, 0) // BLOCK_N) * BLOCK_N
-        while start <= pos:  # a while loop: the bound is a loaded value
+            lowest = tl.min(tl.where(row_ok, pos, last), 0)
+            start = (tl.maximum(lowest - window + 1, 0) // BLOCK_N) * BLOCK_N
+        while start <= last:  # a while loop: the bound is a loaded value
             kpos = start + tl.arange(0, BLOCK_N)
-            visible = kpos <= pos
+            in_run = kpos <= last
+            visible = kpos[None, :] <= pos[:, None]
             if window > 0:
-                visible = visible & (kpos > pos - window)
-            page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=visible, other=0)
+                visible = visible & (kpos[None, :] > pos[:, None] - window)
+            page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=in_run, other=0)
             kv_rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            kv_mask = visible[:, None] & dim_ok[None, :]
+            kv_mask = in_run[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-            s = tl.where(visible[None, :], s, float("-inf"))
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
             m_i = m_new
             start += BLOCK_N
-        acc = acc / l_i[:, None]
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] + dims[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None] & dim_ok[None, :])
+                 mask=row_ok[:, None] & dim_ok[None, :])

@@ -241,4 +241,4 @@ def _window_attention(attn: AttentionMetadata, token_slots: torch.Tensor, positi
     prompts) attend position 0 and write their K/V to the scratch page, so no real entry is touched."""
     padding = torch.full_like(token_slots, attn.kv_cache.padding_slot)  # its block-table row is all scratch
     return replace(attn, positions=positions.clamp(min=0), token_slots=token_slots,
-                   write_slots=torch.where(positions >= 0, token_slots, padding))
+                   write_slots=torch.where(positions >= 0, token_slots, padding), tokens_per_request=1)
