@@ -88,6 +88,9 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
                      sliding_window: int, query_len: int) -> torch.Tensor:
     """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
+    if write_slots is token_slots or not q.is_cuda:  # the attention kernel writes the run's own K/V
+        return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                               sliding_window or None, query_len, new_kv=(k, v))
     kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
     return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                            sliding_window or None, query_len)

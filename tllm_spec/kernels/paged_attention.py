@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_write import kv_write_ref
+
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
 
 try:  # triton is a GPU extra: the package imports and runs without it
@@ -53,14 +55,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
-                    sliding_window: int | None = None, query_len: int = 1) -> torch.Tensor:
+                    sliding_window: int | None = None, query_len: int = 1,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference.
 
     ``query_len``: consecutive query tokens that belong to one request (K+1 in a verify step, 1 in a draft
     step): one program serves all of them, so a request's K/V is read once, not once per query token. The
     caller guarantees that every run of ``query_len`` tokens shares one slot; 1 is always correct.
+    ``new_kv``: this forward's (k, v) [N, Hkv, D], written into the cache by the same program before it
+    attends (one launch instead of two). Only valid when each run holds ALL of its request's new tokens.
     """
     if triton is None or not q.is_cuda:
+        if new_kv is not None:
+            kv_write_ref(*new_kv, k_cache, v_cache, block_tables, token_slots, positions)
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                                    sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -72,8 +79,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
+    k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unused pointers without WRITE
+    assert new_kv is None or (k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
+                              and k_new.stride(2) == v_new.stride(2) == 1)
     _paged_attention_kernel[(triton.cdiv(num_tokens, query_len), num_kv_heads)](
         q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, num_tokens,
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), new_kv is not None,
         block_tables.stride(0), sliding_window or 0,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
         ROWS_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
@@ -86,15 +97,22 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
-                                scale, num_tokens, bt_stride, window, PAGE_SIZE: tl.constexpr,
+                                scale, num_tokens, k_new_ptr, v_new_ptr, kn_stride_t, kn_stride_h, vn_stride_t,
+                                vn_stride_h, WRITE: tl.constexpr, bt_stride, window, PAGE_SIZE: tl.constexpr,
                                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, QUERY_LEN: tl.constexpr,
                                 ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One program per (run of QUERY_LEN query tokens of one request, KV head). Its rows are the
+        """One program per (run of QUERY_LEN query tokens of one request, KV head). With WRITE it first
+        stores the run's new K/V rows of its KV head (nobody else reads them in this launch). Its rows are the
         QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP, head r % GROUP), each
         with its own causal bound; online softmax over key blocks up to the run's last position."""
         first = tl.program_id(0) * QUERY_LEN
         kv_head = tl.program_id(1)
+        if WRITE:
+            _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
+                       num_tokens, kv_head, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, bt_stride,
+                       PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM, HEAD_DIM_PAD)
+            tl.debug_barrier()  # the run's stores are visible to the whole program before it reads them
         rows = tl.arange(0, ROWS_PAD)
         token = first + rows // GROUP
         row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)
@@ -136,3 +154,23 @@ if triton is not None:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] + dims[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dim_ok[None, :])
+
+    @triton.jit
+    def _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
+                   num_tokens, kv_head, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, bt_stride,
+                   PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+        """Store K/V of tokens first..first+QUERY_LEN-1, head kv_head, at their (slot, position) pages."""
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        for i in tl.static_range(QUERY_LEN):
+            token = first + i
+            if token < num_tokens:
+                slot = tl.load(token_slots_ptr + token).to(tl.int64)
+                pos = tl.load(positions_ptr + token).to(tl.int64)
+                page = tl.load(block_tables_ptr + slot * bt_stride + pos // PAGE_SIZE).to(tl.int64)
+                dst = ((page * PAGE_SIZE + pos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims
+                k = tl.load(k_new_ptr + token * kn_stride_t + kv_head * kn_stride_h + dims, mask=dim_ok)
+                v = tl.load(v_new_ptr + token * vn_stride_t + kv_head * vn_stride_h + dims, mask=dim_ok)
+                tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=dim_ok)
+                tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=dim_ok)
