@@ -76,12 +76,18 @@ class SpecWorkerBase(nn.Module, ABC):
     def _rejection_sampling(self, gen_logits: torch.Tensor, draft_tokens: torch.Tensor, gen_slots: torch.Tensor,
                             strict_tokens: torch.Tensor, strict_accepted: torch.Tensor, spec_metadata: SpecMetadata
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Probabilistic acceptance for sampled requests; greedy requests keep the strict result."""
+        """Probabilistic acceptance for sampled requests; greedy requests keep the strict result.
+
+        Rows past the emitted ones hold the target's own samples (strict_tokens), so that forced acceptance,
+        which may count more rows than rejection sampling emitted, still emits target tokens there.
+        """
         num_gen, k = draft_tokens.shape
         temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
         probs = sampling.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, k + 1, -1)
         tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, spec_metadata.seed,
                                             spec_metadata.offset, self.use_flashinfer)
+        emitted = torch.arange(k + 1, device=tokens.device) < accepted[:, None]
+        tokens = torch.where(emitted, tokens, strict_tokens)
         greedy = top_ks.view(num_gen, k + 1)[:, 0] == 1
         return (torch.where(greedy[:, None], strict_tokens, tokens),
                 torch.where(greedy, strict_accepted, accepted))
