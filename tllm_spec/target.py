@@ -77,12 +77,12 @@ class TargetModel(nn.Module):
         return [(num_kv_heads, head_dim)] * self.num_layers
 
     def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
-        """Capture the outputs of these decoder layers on every forward (ids are 0-based)."""
-        for i in layer_ids:
+        """Capture the outputs of these decoder layers on every forward (ids are 0-based, may repeat)."""
+        for i in sorted(set(layer_ids)):
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"cannot capture layer {i}: the target has {self.num_layers} decoder layers")
             self.decoder.layers[i].register_forward_hook(self._make_hook(i))
-        self._capture_ids = tuple(sorted(layer_ids))
+        self._capture_ids = tuple(layer_ids)
 
     def _make_hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
@@ -90,7 +90,8 @@ class TargetModel(nn.Module):
         return hook
 
     def captured_hidden(self) -> torch.Tensor:
-        """The captured layer outputs of the last forward, concatenated low -> high layer. [T, n*H]."""
+        """The captured layer outputs of the last forward, concatenated in the order of the requested ids,
+        a repeated id repeated. [T, n*H]."""
         return torch.cat([self._captured[i][0] for i in self._capture_ids], dim=-1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
