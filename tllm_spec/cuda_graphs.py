@@ -1,4 +1,5 @@
-"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket.
+"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket and sampling
+variant (all-greedy argmax or sampled, known on the host from the SamplingParams).
 
 Inputs live in one static int64 buffer (token ids, positions, slots, drafts), refilled by a single
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
@@ -8,6 +9,7 @@ one graph.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,33 +47,38 @@ class CUDAGraphRunner:
         max_tokens = self.buckets[-1] * (self.k + 1)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
         self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64).pin_memory()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket, all greedy
         self.pool = None
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def capture_all(self) -> None:
-        """Capture every bucket now (on all-padding inputs), so no step later pays for a capture."""
+    def capture_all(self, params: Sequence[SamplingParams] = (_DUMMY,)) -> None:
+        """Capture every bucket now (on all-padding inputs) in each sampling variant a batch of ``params``
+        can take, so no step later pays for a capture."""
+        examples = {p.is_greedy: p for p in params}  # a batch is all greedy only if some request is greedy
         for size in self.buckets:
-            if size not in self.graphs:
-                self._fill([], [], [], [], [], size)
-                self.graphs[size] = self._capture(size)
+            for all_greedy, example in examples.items():
+                if (size, all_greedy) not in self.graphs:
+                    self._fill([], [], [], [], [], size, pad_params=example)
+                    self.graphs[(size, all_greedy)] = self._capture(size)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
             params: list[SamplingParams]) -> torch.Tensor:
         """One generation-only step; returns the packed outputs [B, 2K+3] of the real requests."""
         size = self.bucket(len(params))
         self._fill(ids, positions, slots, drafts, params, size)
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, packed = self.graphs[size]
+        key = (size, self.model.spec_metadata.all_greedy)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(size)
+        graph, packed = self.graphs[key]
         graph.replay()
         return packed[:len(params)]
 
     def _fill(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
-              params: list[SamplingParams], size: int) -> None:
-        """Copy one step's inputs, padded to ``size`` requests, into the static buffers."""
+              params: list[SamplingParams], size: int, pad_params: SamplingParams = _DUMMY) -> None:
+        """Copy one step's inputs, padded to ``size`` requests (``pad_params``: greedy by default), into the
+        static buffers."""
         pad = size - len(params)
         tokens = size * (self.k + 1)
         pad_slot = self.model.kv_cache.padding_slot
@@ -79,7 +86,7 @@ class CUDAGraphRunner:
                 slots + [pad_slot] * (pad * (self.k + 1)), drafts + [0] * (pad * self.k + size))
         self.host_inputs[:, :tokens] = torch.tensor(rows, dtype=torch.int64)
         self.inputs[:, :tokens].copy_(self.host_inputs[:, :tokens], non_blocking=True)
-        self.model.spec_metadata.prepare(params + [_DUMMY] * pad, ())
+        self.model.spec_metadata.prepare(params + [pad_params] * pad, ())
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * (self.k + 1)

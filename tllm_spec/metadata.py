@@ -15,6 +15,8 @@ class SpecMetadata:
     Buffers are allocated once for ``max_num_requests`` and refilled in place by :meth:`prepare`, so a
     captured CUDA graph keeps reading the right memory. Greedy requests get ``T = 1, top_k = 1, top_p = 1``
     (the sampler returns their exact argmax); disabled top-k is the vocabulary size, disabled top-p is 1.
+    ``all_greedy`` is set by :meth:`prepare` on the host from the SamplingParams (no device read): the workers
+    then take a plain argmax instead of sampling.
     """
 
     def __init__(self, max_num_requests: int, max_draft_len: int, vocab_size: int, device: torch.device | str):
@@ -29,6 +31,7 @@ class SpecMetadata:
         self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # [1] int64
         self.num_context_requests = 0
         self.num_generation_requests = 0
+        self.all_greedy = True
 
     @property
     def num_rows(self) -> int:
@@ -46,6 +49,7 @@ class SpecMetadata:
         """
         num_ctx, rows_per_gen = len(context_lens), self.max_draft_len + 1
         self.num_context_requests, self.num_generation_requests = num_ctx, len(params) - num_ctx
+        self.all_greedy = all(p.is_greedy for p in params)
         repeats = [1] * num_ctx + [rows_per_gen] * self.num_generation_requests
         temps, top_ks, top_ps = [], [], []
         for p, rep in zip(params, repeats):

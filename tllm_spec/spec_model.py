@@ -136,7 +136,7 @@ class SpecModel(nn.Module):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if self.graph_runner is not None:
-            self.graph_runner.capture_all()  # once: warm-up and capture before the first timed step
+            self.graph_runner.capture_all(params)  # once: warm-up and capture before the first timed step
         return Engine(self).generate(token_prompts, params, seed, progress)
 
     def encode(self, text: str) -> list[int]:

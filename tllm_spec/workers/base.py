@@ -45,7 +45,9 @@ class SpecWorkerBase(nn.Module, ABC):
         return []
 
     def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
-        """Target tokens for every row. logits [R, V] -> [R] int64."""
+        """Target tokens for every row. logits [R, V] -> [R] int64. An all-greedy step is a plain argmax."""
+        if spec_metadata.all_greedy:
+            return logits.argmax(-1)
         temps, top_ks, top_ps = spec_metadata.rows()
         return sampling.sample(logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
                                self.use_flashinfer)
@@ -60,7 +62,7 @@ class SpecWorkerBase(nn.Module, ABC):
         Returns (new_tokens [B, K+1] int64, num_accepted [B] int64 with the bonus counted).
         """
         num_accepted_gen, gen_tokens = strict_acceptance(target_tokens[num_contexts:], draft_tokens)
-        if self.use_rejection_sampling and draft_tokens.shape[0] > 0:
+        if self.use_rejection_sampling and draft_tokens.shape[0] > 0 and not spec_metadata.all_greedy:
             gen_tokens, num_accepted_gen = self._rejection_sampling(
                 target_logits[num_contexts:], draft_tokens, gen_slots, gen_tokens, num_accepted_gen, spec_metadata)
         if self.forced_num_accepted is not None:
@@ -95,8 +97,9 @@ class SpecWorkerBase(nn.Module, ABC):
     def draft_tokens_from_logits(self, draft_logits: torch.Tensor, d2t: torch.Tensor | None, step: int,
                                  slots: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Draft step ``step``: argmax (strict acceptance), or a sample at each request's temperature /
-        top-k / top-p whose distribution is kept for rejection sampling. draft_logits [B, V_draft] -> [B]."""
-        if not self.use_rejection_sampling:
+        top-k / top-p whose distribution is kept for rejection sampling (argmax in an all-greedy step, whose
+        drafts are verified strictly). draft_logits [B, V_draft] -> [B]."""
+        if not self.use_rejection_sampling or spec_metadata.all_greedy:
             return sampling.greedy_draft_tokens(draft_logits, d2t)
         temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
         ids = sampling.sample(draft_logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
