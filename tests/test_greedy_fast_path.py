@@ -9,7 +9,7 @@ from .models import hf_greedy, tiny_pair
 
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5]]
 GREEDY = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=9, top_k=1, temperature=0.8),
-          SamplingParams(max_new_tokens=14, temperature=0.0, top_p=0.5)]
+          SamplingParams(max_new_tokens=14, seed=3)]  # greedy whatever the seed
 
 
 @pytest.fixture
@@ -69,6 +69,8 @@ def test_one_sampled_request_turns_the_sampler_on(sampler_calls):
 def test_the_step_flag_is_known_on_the_host():
     meta = SpecMetadata(4, 3, 16, "cpu")
     meta.prepare([SamplingParams(), SamplingParams(top_k=1, temperature=1.0)], [2])
-    assert meta.all_greedy
-    meta.prepare([SamplingParams(), SamplingParams(temperature=0.5)], [2])
-    assert not meta.all_greedy
+    assert meta.variant == (True, False)
+    meta.prepare([SamplingParams(), SamplingParams(temperature=0.5, seed=1)], [2])
+    assert meta.variant == (False, True)
+    meta.prepare([SamplingParams(temperature=0.5), SamplingParams(seed=4)], [])  # a greedy seed does not count
+    assert meta.variant == (False, False)

@@ -1,5 +1,5 @@
 """CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket and sampling
-variant (all-greedy argmax or sampled, known on the host from the SamplingParams).
+variant (all-greedy argmax / sampled / sampled with request seeds, known on the host from the SamplingParams).
 
 Inputs live in one static int64 buffer (token ids, positions, slots, drafts), refilled by a single
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
@@ -16,6 +16,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import SamplingParams
+from .metadata import sampling_variant
 
 if TYPE_CHECKING:
     from .spec_model import SpecModel
@@ -47,7 +48,7 @@ class CUDAGraphRunner:
         max_tokens = self.buckets[-1] * (self.k + 1)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
         self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64).pin_memory()
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket, all greedy
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket, variant
         self.pool = None
 
     def bucket(self, batch_size: int) -> int | None:
@@ -56,19 +57,19 @@ class CUDAGraphRunner:
     def capture_all(self, params: Sequence[SamplingParams] = (_DUMMY,)) -> None:
         """Capture every bucket now (on all-padding inputs) in each sampling variant a batch of ``params``
         can take, so no step later pays for a capture."""
-        examples = {p.is_greedy: p for p in params}  # a batch is all greedy only if some request is greedy
+        examples = {sampling_variant([p]): p for p in params}  # a batch's variant is one of its requests'
         for size in self.buckets:
-            for all_greedy, example in examples.items():
-                if (size, all_greedy) not in self.graphs:
+            for variant, example in examples.items():
+                if (size, *variant) not in self.graphs:
                     self._fill([], [], [], [], [], size, pad_params=example)
-                    self.graphs[(size, all_greedy)] = self._capture(size)
+                    self.graphs[(size, *variant)] = self._capture(size)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
             params: list[SamplingParams]) -> torch.Tensor:
         """One generation-only step; returns the packed outputs [B, 2K+3] of the real requests."""
         size = self.bucket(len(params))
         self._fill(ids, positions, slots, drafts, params, size)
-        key = (size, self.model.spec_metadata.all_greedy)
+        key = (size, *self.model.spec_metadata.variant)
         if key not in self.graphs:
             self.graphs[key] = self._capture(size)
         graph, packed = self.graphs[key]

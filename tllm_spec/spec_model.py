@@ -105,6 +105,7 @@ class SpecModel(nn.Module):
         Returns new_tokens [B, K+1], new_tokens_lens [B], next_draft_tokens [B, K], next_new_tokens [B, K+1].
         """
         hidden = self.target(input_ids, attn)
+        self.spec_metadata.record_positions(attn.positions)
         logits = self.target.compute_logits(hidden[self.spec_metadata.gather_ids[:self.spec_metadata.num_rows]])
         features = self.target.captured_hidden() if self.mode.is_eagle3_one_model() else hidden
         return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)

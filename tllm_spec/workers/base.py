@@ -11,6 +11,8 @@ from ..forced_acceptance import forced_num_accepted, read_forced_num_accepted
 from ..metadata import SpecMetadata
 from ..rejection import full_vocab_probs, rejection_sample
 
+_SALT_TARGET, _SALT_DRAFT = 0x7A, 0xD7  # per-request streams share counters between target and draft draws
+
 
 class SpecWorkerBase(nn.Module, ABC):
     """The part of the one-model step after the target's logits: sample, accept, draft.
@@ -49,8 +51,13 @@ class SpecWorkerBase(nn.Module, ABC):
         if spec_metadata.all_greedy:
             return logits.argmax(-1)
         temps, top_ks, top_ps = spec_metadata.rows()
-        return sampling.sample(logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
-                               self.use_flashinfer)
+        seed, offset = spec_metadata.target_streams()
+        return sampling.sample(logits, temps, top_ks, top_ps, seed, offset, self._flashinfer(spec_metadata),
+                               salt=_SALT_TARGET)
+
+    def _flashinfer(self, spec_metadata: SpecMetadata) -> bool:
+        """FlashInfer samples from the batch stream only; per-request streams take the torch path."""
+        return self.use_flashinfer and not spec_metadata.has_request_seeds
 
     def accept_tokens(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
                       spec_metadata: SpecMetadata, target_logits: torch.Tensor | None = None,
@@ -86,8 +93,9 @@ class SpecWorkerBase(nn.Module, ABC):
         num_gen, k = draft_tokens.shape
         temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
         probs = sampling.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, k + 1, -1)
-        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, spec_metadata.seed,
-                                            spec_metadata.offset, self.use_flashinfer)
+        seed, offset = spec_metadata.generation_streams()
+        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, seed, offset,
+                                            self._flashinfer(spec_metadata))
         emitted = torch.arange(k + 1, device=tokens.device) < accepted[:, None]
         tokens = torch.where(emitted, tokens, strict_tokens)
         greedy = top_ks.view(num_gen, k + 1)[:, 0] == 1
@@ -102,8 +110,9 @@ class SpecWorkerBase(nn.Module, ABC):
         if not self.use_rejection_sampling or spec_metadata.all_greedy:
             return sampling.greedy_draft_tokens(draft_logits, d2t)
         temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
-        ids = sampling.sample(draft_logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
-                              self.use_flashinfer)
+        seed, offset = spec_metadata.draft_streams(step)
+        ids = sampling.sample(draft_logits, temps, top_ks, top_ps, seed, offset, self._flashinfer(spec_metadata),
+                              salt=_SALT_DRAFT)
         probs = sampling.target_probs(draft_logits, temps, top_ks, top_ps)
         self.draft_probs[slots, step] = full_vocab_probs(probs, d2t, self.draft_probs.shape[-1])
         return ids if d2t is None else ids + d2t[ids]
