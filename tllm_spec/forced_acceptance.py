@@ -11,8 +11,8 @@ one more draft. TensorRT-LLM's recent one-model path reads fractions the same wa
 revisions take integers only); our draws come from the device-resident counter-based stream of :mod:`rng`
 (seeded by the generate call, CUDA-graph safe) rather than TensorRT-LLM's fixed-seed lookup pool, so the
 individual draws differ. The lottery draws from the generate call's batch stream, also for requests with
-their own ``SamplingParams.seed``. This is the only environment variable that changes tllm_spec's behaviour, and this
-module is the only place that reads it.
+their own ``SamplingParams.seed``. This is the only environment variable that changes tllm_spec's behaviour,
+and this module is the only place that reads it.
 """
 from __future__ import annotations
 
