@@ -28,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5)")
+    p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5; 0 means off, as in TensorRT-LLM: the draft's own acceptance, ~0 drafts for random heads)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hf-static-batches", type=int, nargs="*", default=[1], help="HF static-cache baseline here")

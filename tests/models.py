@@ -19,14 +19,14 @@ ARCH_OVERRIDES = {"mistral": {"sliding_window": 7}, "qwen2": {}, "qwen3": {"head
 
 @cache
 def tiny_pair(arch: str = "llama", vocab_size: int = 97, draft_vocab_size: int | None = None, seed: int = 0,
-              head_scale: float = 1.0) -> tuple[Path, Path]:
+              head_scale: float = 1.0, num_layers: int = 8) -> tuple[Path, Path]:
     """(target_dir, head_dir) of a tiny random ``arch`` target and a random EAGLE-3 head in its dialect.
 
     ``head_scale`` multiplies the head's matrices: > 1 makes its attention sharp enough that a wrong
     position or a stale cache entry changes the drafts.
     """
-    cfg = target_config(arch, vocab_size=vocab_size, **ARCH_OVERRIDES[arch])
-    root = _ROOT / f"{arch}-{vocab_size}-{draft_vocab_size}-{seed}-{head_scale}"
+    cfg = target_config(arch, vocab_size=vocab_size, num_hidden_layers=num_layers, **ARCH_OVERRIDES[arch])
+    root = _ROOT / f"{arch}-{vocab_size}-{draft_vocab_size}-{seed}-{head_scale}-{num_layers}"
     target = save_random_target(root / "target", cfg, seed=seed)
     ckpt = random_head_for(cfg, draft_vocab_size=draft_vocab_size, seed=seed + 1)
     for name, tensor in ckpt.state_dict.items():

@@ -149,7 +149,7 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
         raise ValueError("profile_step profiles the CUDA-graph step: build the model without enforce_eager")
     prompts = [list(range(1, prompt_len + 1))] * batch
     model.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # captures; fills the inputs
-    graph = model.graph_runner.graphs[model.graph_runner.bucket(batch)][0]
+    graph = model.graph_runner.graphs[(model.graph_runner.bucket(batch), *model.spec_metadata.variant)][0]
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -27,6 +27,9 @@ class SamplingParams(_Frozen):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept; 1 = no limit")
     stop_token_ids: tuple[int, ...] = Field((), description="extra token ids that end the request (kept in the output)")
     ignore_eos: bool = Field(False, description="do not stop at the tokenizer's EOS")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="this request's own random stream: the same request "
+                             "with the same seed samples the same tokens whatever else is in the batch; None = "
+                             "the generate call's stream")
 
     @property
     def is_greedy(self) -> bool:
@@ -42,8 +45,8 @@ class Eagle3Config(_Frozen):
     eagle3_one_model: bool = Field(True, description="draft inside the target forward (the only mode run here)")
     eagle3_layers_to_capture: tuple[int, ...] | None = Field(
         None, description="0-based target decoder layers whose OUTPUT feeds the head (TensorRT-LLM convention: "
-        "output of layer i = residual stream entering layer i+1). None: the head's config, else "
-        "(1, L//2-1, L-4)")
+        "output of layer i = residual stream entering layer i+1); a repeated id feeds that layer to fc twice. "
+        "None: the head's config, else (1, L//2-1, L-4)")
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")
@@ -51,8 +54,9 @@ class Eagle3Config(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> Eagle3Config:
         layers = self.eagle3_layers_to_capture
-        if layers is not None and (len(layers) != 3 or len(set(layers)) != 3 or min(layers) < 0):
-            raise ValueError(f"eagle3_layers_to_capture must be 3 distinct non-negative layer ids, got {layers}")
+        if layers is not None and (len(layers) != 3 or min(layers) < 0):
+            raise ValueError(f"eagle3_layers_to_capture must be 3 non-negative layer ids (repeats allowed), "
+                             f"got {layers}")
         return self
 
     @property

@@ -110,6 +110,7 @@ class SpecModel(nn.Module):
         Returns new_tokens [B, K+1], new_tokens_lens [B], next_draft_tokens [B, K], next_new_tokens [B, K+1].
         """
         hidden, captured = self.target(input_ids, attn)
+        self.spec_metadata.record_positions(attn.positions)
         logits = self.target.compute_logits(hidden[self.spec_metadata.gather_ids[:self.spec_metadata.num_rows]])
         features = captured if self.mode.is_eagle3_one_model() else hidden
         return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
@@ -142,7 +143,7 @@ class SpecModel(nn.Module):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if self.graph_runner is not None:
-            self.graph_runner.capture_all()  # once: warm-up and capture before the first timed step
+            self.graph_runner.capture_all(params)  # once: warm-up and capture before the first timed step
         return Engine(self).generate(token_prompts, params, seed, progress)
 
     def encode(self, text: str) -> list[int]:

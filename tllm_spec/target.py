@@ -108,12 +108,12 @@ class TargetModel(nn.Module):
         return [(num_kv_heads, head_dim)] * self.num_layers
 
     def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
-        """Capture the outputs of these decoder layers on every forward (ids are 0-based)."""
-        for i in layer_ids:
+        """Capture the outputs of these decoder layers on every forward (ids are 0-based, may repeat)."""
+        for i in sorted(set(layer_ids)):
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"cannot capture layer {i}: the target has {self.num_layers} decoder layers")
             self.decoder.layers[i].register_forward_hook(self._make_hook(i))
-        self._capture_ids = tuple(sorted(layer_ids))
+        self._capture_ids = tuple(layer_ids)
         if self.fused is not None:
             self.fused.capture_ids = self._capture_ids
 

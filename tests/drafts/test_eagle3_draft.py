@@ -49,10 +49,9 @@ def reference_drafts(model, target, head, committed, k):
     return drafts
 
 
-@pytest.mark.parametrize("draft_vocab_size", [None, 40])
-def test_cached_drafts_equal_cache_free_reference(draft_vocab_size):
-    target, head = tiny_pair("llama", draft_vocab_size=draft_vocab_size, head_scale=12.0)
-    k, prompts = 3, [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40]]
+def check_drafts_against_reference(target, head, k=3):
+    """Every step's proposals equal the cache-free reference over the committed tokens."""
+    prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40]]
     model = SpecModel.from_pretrained(target, eagle3(head, k), max_batch_size=2)
     proposals = []  # (slot, drafts) per request per step
     original = model.worker.draft
@@ -76,3 +75,22 @@ def test_cached_drafts_equal_cache_free_reference(draft_vocab_size):
             assert proposals[step][b] == reference_drafts(model, target, head, prompt + out.token_ids[:total], k), step
             checked += 1
     assert checked >= 10
+    return model
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 40])
+def test_cached_drafts_equal_cache_free_reference(draft_vocab_size):
+    target, head = tiny_pair("llama", draft_vocab_size=draft_vocab_size, head_scale=12.0)
+    check_drafts_against_reference(target, head)
+
+
+def test_six_layer_target_feeds_the_repeated_default_layer_twice():
+    # default capture (1, L//2-1, L-4) on 6 layers = (1, 2, 2): fc reads layer 2's output twice
+    target, head = tiny_pair("llama", head_scale=12.0, num_layers=6)
+    model = check_drafts_against_reference(target, head)
+    assert model.target._capture_ids == (1, 2, 2)
+    features = model.target.captured_hidden()
+    hidden = model.target.hidden_size
+    assert features.shape[-1] == 3 * hidden
+    assert torch.equal(features[:, hidden:2 * hidden], features[:, 2 * hidden:])
+    assert not torch.equal(features[:, :hidden], features[:, hidden:2 * hidden])

@@ -100,3 +100,17 @@ def test_compiled_graphed_bf16_equals_eager(arch):
     params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
     for x, y in zip(fast.generate(PROMPTS, params), eager.generate(PROMPTS, params)):
         assert x.token_ids == y.token_ids
+
+
+def test_graphs_are_keyed_by_bucket_and_all_greedy():
+    target, model = _model("llama", 3, torch.float32, eager=False)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    assert model.graph_runner.graphs and all(key[1] for key in model.graph_runner.graphs)  # argmax graphs only
+    for p, n, out in zip(PROMPTS, MAX_NEW, outs):
+        assert out.token_ids == hf_greedy(target, p, n)
+    mixed = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9) for i, n in enumerate(MAX_NEW)]
+    outs = model.generate(PROMPTS, mixed, seed=1)
+    assert {key[1] for key in model.graph_runner.graphs} == {False, True}
+    for i, (p, n, out) in enumerate(zip(PROMPTS, MAX_NEW, outs)):
+        if i % 2:
+            assert out.token_ids == hf_greedy(target, p, n)  # greedy rows exact inside the sampling graph

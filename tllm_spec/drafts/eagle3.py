@@ -146,20 +146,25 @@ class Eagle3DraftModel(nn.Module):
 
 def resolve_capture_layers(override: tuple[int, ...] | None, checkpoint_ids: tuple[int, ...] | None,
                            num_layers: int) -> tuple[int, ...]:
-    """Target decoder layers whose outputs feed the head (output-of-layer convention, 0-based).
+    """Target decoder layers whose outputs feed the head (output-of-layer convention, 0-based), sorted.
 
     ``override`` (Eagle3Config.eagle3_layers_to_capture) is taken as is. Ids from a head's config come in
     two conventions; as SGLang does, a list starting at 1 is read as output-of-layer, anything else as
     input-to-layer (so each id - 1). Default: (1, L//2 - 1, L - 4), the residual stream entering layers
-    2, L//2 and L-3.
+    2, L//2 and L-3, as TensorRT-LLM, which also refuses that default below 6 layers. Ids may repeat
+    (the default on 6 layers is (1, 2, 2)): fc then reads that layer twice. Sorted low -> high, as
+    TensorRT-LLM sorts explicit lists, which is the order fc's input columns are concatenated in.
     """
     if override is not None:
         layers = tuple(override)
     elif checkpoint_ids:
         layers = tuple(checkpoint_ids) if checkpoint_ids[0] == 1 else tuple(i - 1 for i in checkpoint_ids)
+    elif num_layers < 6:
+        raise ValueError(f"a target with {num_layers} decoder layers is too shallow for EAGLE-3's default capture "
+                         f"layers (1, L//2-1, L-4); set Eagle3Config.eagle3_layers_to_capture")
     else:
         layers = (1, num_layers // 2 - 1, num_layers - 4)
-    if len(set(layers)) != 3 or min(layers) < 0 or max(layers) >= num_layers:
+    if len(layers) != 3 or min(layers) < 0 or max(layers) >= num_layers:
         raise ValueError(f"EAGLE-3 capture layers {layers} are invalid for a target with {num_layers} layers "
-                         f"(need 3 distinct ids in [0, {num_layers})); set Eagle3Config.eagle3_layers_to_capture")
-    return layers
+                         f"(need 3 ids in [0, {num_layers})); set Eagle3Config.eagle3_layers_to_capture")
+    return tuple(sorted(layers))
