@@ -70,8 +70,9 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if num_ctx == 0 or not q.is_cuda:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
+        query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
         return op(q.contiguous(), k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
-                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, meta.tokens_per_request)
+                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
     kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
     out[:num_ctx] = prefill_attention(q[:num_ctx], k[:num_ctx], v[:num_ctx], meta.context_lens, scale,
@@ -88,7 +89,7 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
                      sliding_window: int, query_len: int) -> torch.Tensor:
     """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
-    if write_slots is token_slots or not q.is_cuda:  # the attention kernel writes the run's own K/V
+    if write_slots is token_slots:  # the attention kernel writes the run's own K/V
         return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                                sliding_window or None, query_len, new_kv=(k, v))
     kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)

@@ -89,7 +89,11 @@ def test_six_layer_target_feeds_the_repeated_default_layer_twice():
     target, head = tiny_pair("llama", head_scale=12.0, num_layers=6)
     model = check_drafts_against_reference(target, head)
     assert model.target._capture_ids == (1, 2, 2)
-    features = model.target.captured_hidden()
+    seen, original = [], model.worker.draft
+    model.worker.draft = lambda ids, rows, features, *rest: seen.append(features) or original(ids, rows, features,
+                                                                                               *rest)
+    model.generate([[5, 17, 3, 44]], SamplingParams(max_new_tokens=2))
+    features = seen[0]  # the target features the head's first pass read
     hidden = model.target.hidden_size
     assert features.shape[-1] == 3 * hidden
     assert torch.equal(features[:, hidden:2 * hidden], features[:, 2 * hidden:])

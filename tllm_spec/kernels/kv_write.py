@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl
@@ -31,7 +32,7 @@ def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              block_tables: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
     """The Triton kernel on CUDA, else the reference. Same signature as :func:`kv_write_ref`."""
-    if triton is None or not k.is_cuda:
+    if not kernels.runs_kernel(k):
         return kv_write_ref(k, v, k_cache, v_cache, block_tables, token_slots, positions)
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from .kv_write import kv_write_ref
 
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
@@ -21,35 +22,42 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
-                        scale: float, max_kv_len: int, sliding_window: int | None = None) -> torch.Tensor:
+                        scale: float, max_kv_len: int, sliding_window: int | None = None, query_len: int = 1,
+                        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle).
 
     q [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [S, P] int32;
     token_slots [T] int64 (block-table row of each token); positions [T] int64; max_kv_len: a host bound on
-    positions + 1 (only limits work); sliding_window: keys older than this many positions are masked.
+    positions + 1 (only limits work); sliding_window: keys older than this many positions are masked;
+    query_len: runs of this many consecutive tokens share a slot (their pages are gathered once);
+    new_kv: this forward's (k, v) [T, Hkv, D], written into the cache first.
     Returns [T, Hq, D] in q's dtype, softmax in fp32.
     """
+    if new_kv is not None:
+        kv_write_ref(*new_kv, k_cache, v_cache, block_tables, token_slots, positions)
     num_tokens, num_q_heads, head_dim = q.shape
+    run = query_len if num_tokens % query_len == 0 else 1
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_pages = min(block_tables.shape[1], -(-max_kv_len // page_size))
     num_keys = num_pages * page_size
     group = num_q_heads // num_kv_heads
-    chunk = max(1, _ELEMENTS_PER_CHUNK // (num_keys * num_kv_heads * head_dim))
+    chunk = run * max(1, _ELEMENTS_PER_CHUNK // (num_keys * num_kv_heads * head_dim))
     key_pos = torch.arange(num_keys, device=q.device)
     out = torch.empty_like(q)
     for start in range(0, num_tokens, chunk):
         rows = slice(start, start + chunk)
-        pages = block_tables[token_slots[rows], :num_pages].long()  # [t, num_pages]
-        k = k_cache[pages].flatten(1, 2).float()  # [t, num_keys, Hkv, D]
+        pages = block_tables[token_slots[rows][::run], :num_pages].long()  # [runs, num_pages]
+        k = k_cache[pages].flatten(1, 2).float()  # [runs, num_keys, Hkv, D]
         v = v_cache[pages].flatten(1, 2).float()
-        qg = q[rows].float().view(-1, num_kv_heads, group, head_dim)
-        scores = torch.einsum("thgd,tshd->thgs", qg, k) * scale
-        visible = key_pos <= positions[rows, None]
+        qg = q[rows].float().view(-1, run, num_kv_heads, group, head_dim)
+        scores = torch.einsum("rthgd,rshd->rthgs", qg, k) * scale
+        pos = positions[rows].view(-1, run, 1)
+        visible = key_pos <= pos  # [runs, run, num_keys]
         if sliding_window is not None:
-            visible &= key_pos > positions[rows, None] - sliding_window
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1)
-        out[rows] = torch.einsum("thgs,tshd->thgd", probs, v).reshape(-1, num_q_heads, head_dim).to(q.dtype)
+            visible &= key_pos > pos - sliding_window
+        probs = scores.masked_fill(~visible[:, :, None, None, :], float("-inf")).softmax(-1)
+        o = torch.einsum("rthgs,rshd->rthgd", probs, v)
+        out[rows] = o.reshape(-1, num_q_heads, head_dim).to(q.dtype)
     return out
 
 
@@ -65,11 +73,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``new_kv``: this forward's (k, v) [N, Hkv, D], written into the cache by the same program before it
     attends (one launch instead of two). Only valid when each run holds ALL of its request's new tokens.
     """
-    if triton is None or not q.is_cuda:
-        if new_kv is not None:
-            kv_write_ref(*new_kv, k_cache, v_cache, block_tables, token_slots, positions)
+    if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                                   sliding_window)
+                                   sliding_window, query_len, new_kv)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous q/k/v expected"
