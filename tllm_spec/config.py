@@ -71,7 +71,11 @@ class MTPConfig(_Frozen):
     mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
     mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")
     mtp_hidden_feedback: Literal["pre_norm", "post_norm"] = Field(
-        "pre_norm", description="MTP-Eagle: hidden fed to the next draft step, before or after shared_head.norm")
+        "post_norm", description="hidden handed to the next draft step / module: after shared_head.norm "
+        "(default: the input hnorm was trained on; TensorRT-LLM DeepseekV3MTP.forward returns "
+        "shared_head.norm(hidden_states, residual) and MTPEagleWorker feeds it back; SGLang deepseek_nextn and vLLM "
+        "since PR #45895 do the same) or the block output before it (what tllm_spec's shipped demo module was "
+        "trained with)")
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")

@@ -3,9 +3,10 @@
 TensorRT-LLM semantics (``tensorrt_llm/_torch/speculative/mtp.py``): ``MTPEagleWorker`` runs module 0 over the
 step's tokens, then one token per request for the remaining steps; ``MTPWorker`` runs N modules in sequence,
 each over a per-request window, tokens shifted left by one per module with the newest draft appended. The
-hidden handed on is ``MTPConfig.mtp_hidden_feedback``: default ``"pre_norm"`` (the block output, the DeepSeek-V3
-report's h^k and vLLM's choice); ``"post_norm"`` (after ``shared_head.norm``) is what TensorRT-LLM's
-``DeepseekV3MTP`` and transformers' ``MtpLayer`` return.
+hidden handed on is ``MTPConfig.mtp_hidden_feedback``: default ``"post_norm"`` (after ``shared_head.norm``, the
+analogue of the target's final-normed hidden that ``hnorm`` was trained on; what TensorRT-LLM's ``DeepseekV3MTP``,
+SGLang's ``deepseek_nextn``, vLLM since PR #45895 and transformers' ``MtpLayer`` hand on); ``"pre_norm"`` (the
+block output) for modules trained that way, such as the shipped demo module.
 """
 from __future__ import annotations
 
