@@ -76,6 +76,10 @@ class MTPConfig(_Frozen):
         "shared_head.norm(hidden_states, residual) and MTPEagleWorker feeds it back; SGLang deepseek_nextn and vLLM "
         "since PR #45895 do the same) or the block output before it (what tllm_spec's shipped demo module was "
         "trained with)")
+    mtp_layer_selection: Literal["first", "per_step"] = Field(
+        "first", description="MTP-Eagle: the module that drafts step k. 'first': module 0 for every step "
+        "(TensorRT-LLM MTPEagleWorker); 'per_step': module k mod num_nextn_predict_layers, each with its own KV "
+        "layer and shared_head (vLLM's spec_step_idx % num_mtp_layers, Step-3.5's round-robin MTP layers)")
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")
@@ -90,6 +94,8 @@ class MTPConfig(_Frozen):
     def _check(self) -> MTPConfig:
         if self.use_mtp_vanilla and self.max_draft_len not in (None, self.num_nextn_predict_layers):
             raise ValueError("max_draft_len: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
+        if self.use_mtp_vanilla and self.mtp_layer_selection != "first":
+            raise ValueError("mtp_layer_selection is an MTP-Eagle option (vanilla MTP runs module k for step k)")
         if self.use_relaxed_acceptance_for_thinking and (
                 self.begin_thinking_phase_token is None or self.end_thinking_phase_token is None):
             raise ValueError("begin_thinking_phase_token/end_thinking_phase_token are required with "
