@@ -1,11 +1,12 @@
 """Typed, frozen configuration: sampling, speculative decoding (EAGLE-3 / MTP), engine, and YAML run files."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .modes import SpeculativeDecodingMode
 
@@ -15,6 +16,40 @@ GREEDY_TEMPERATURE = 1e-4
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GuidedDecodingParams(_Frozen):
+    """A grammar the output must follow: exactly one of a JSON schema, a regular expression or a Lark grammar
+    (TensorRT-LLM's ``GuidedDecodingParams`` kinds). Compiled per request when it is admitted: a grammar the
+    backend refuses rejects that request only."""
+
+    json_schema: str | None = Field(None, description="JSON schema (a dict or its JSON text; stored as JSON text, "
+                                    "key order kept: it orders the properties); the output is one JSON value "
+                                    "valid under it")
+    regex: str | None = Field(None, description="the output matches this regular expression")
+    lark: str | None = Field(None, description="the output is a sentence of this Lark grammar")
+    json_whitespace_flexible: bool = Field(False, description="json_schema: allow any whitespace between JSON "
+                                           "tokens (default: compact separators, which small models cannot loop in "
+                                           "and whose forced tokens are drafted exactly)")
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_text(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"json_schema is not valid JSON ({err})") from None
+        if value is not None and not isinstance(value, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object (or true/false), got {type(value).__name__}")
+        return None if value is None else json.dumps(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> GuidedDecodingParams:
+        given = [name for name in ("json_schema", "regex", "lark") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, lark; got {given or 'none'}")
+        return self
 
 
 class SamplingParams(_Frozen):
@@ -27,6 +62,9 @@ class SamplingParams(_Frozen):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept; 1 = no limit")
     stop_token_ids: tuple[int, ...] = Field((), description="extra token ids that end the request (kept in the output)")
     ignore_eos: bool = Field(False, description="do not stop at the tokenizer's EOS")
+    guided_decoding: GuidedDecodingParams | None = Field(
+        None, description="constrain the output to a grammar (needs the target's tokenizer and the 'guided' extra); "
+        "the request ends when the grammar is complete")
 
     @property
     def is_greedy(self) -> bool:
