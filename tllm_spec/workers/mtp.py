@@ -47,6 +47,7 @@ class _MTPWorkerBase(SpecWorkerBase):
         draft_tokens [G, K] being verified. Returns the TensorRT-LLM output dict."""
         num_ctx = spec_metadata.num_context_requests
         slots = attn.token_slots[spec_metadata.gather_ids[spec_metadata.first_rows()]]  # [B] KV slot per request
+        self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
         if self.relaxed is None:
             new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_ctx, spec_metadata,
@@ -56,6 +57,7 @@ class _MTPWorkerBase(SpecWorkerBase):
                                                             slots, spec_metadata)
         # the accepted token after each row (under relaxed acceptance possibly a draft, not the target's)
         row_tokens = self.row_tokens(new_tokens, num_ctx)
+        self._add_guided_draft_batch_if_present(num_accepted)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata)
         return {
             "new_tokens": new_tokens,
