@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .config import GuidedDecodingParams
 from .grammar import BITS, GrammarCompiler, GrammarMatcher, allows, bitmask_width, single_token
 
 ALL = -1  # an int32 word with every bit set: every token allowed
@@ -54,7 +55,8 @@ class GuidedDecoder:
         self._draft_host = torch.full(draft_shape, ALL, dtype=torch.int32, pin_memory=pin)
         self._shifts = torch.arange(BITS, dtype=torch.int32, device=device)  # [32]
 
-    def matcher(self, params) -> GrammarMatcher:
+    def matcher(self, params: GuidedDecodingParams) -> GrammarMatcher:
+        """A fresh grammar matcher for one request (ValueError if the grammar is invalid)."""
         return self.compiler.matcher(params)
 
     def build(self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Sequence[int]]) -> None:
