@@ -35,7 +35,7 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--aux-layers", type=int, nargs=3, help="EAGLE-3: 0-based layers whose output is captured")
     p.add_argument("--intermediate-size", type=int, help="EAGLE-3 head MLP width (default: the target's)")
     p.add_argument("--num-modules", type=int, default=1, help="MTP: > 1 trains vanilla MTP modules")
-    p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="pre_norm")
+    p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="post_norm")
     p.add_argument("--heldout-every", type=int, default=10)
     p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default .py .txt .md "
                    ".rst .jsonl)")

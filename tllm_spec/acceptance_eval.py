@@ -56,7 +56,8 @@ def head_configs(eagle3: str | None, mtp: str | None, k: int) -> dict[str, SpecC
     if eagle3:
         heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k)
     if mtp:
-        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k,
+        feedback = demo.MTP_HIDDEN_FEEDBACK if mtp.startswith(demo.PREFIX) else "post_norm"
+        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, mtp_hidden_feedback=feedback,
                                  mtp_checkpoint=None if mtp == "target" else mtp)
     return heads
 

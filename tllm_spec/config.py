@@ -1,11 +1,12 @@
 """Typed, frozen configuration: sampling, speculative decoding (EAGLE-3 / MTP), engine, and YAML run files."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .modes import SpeculativeDecodingMode
 
@@ -15,6 +16,40 @@ GREEDY_TEMPERATURE = 1e-4
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GuidedDecodingParams(_Frozen):
+    """A grammar the output must follow: exactly one of a JSON schema, a regular expression or a Lark grammar
+    (TensorRT-LLM's ``GuidedDecodingParams`` kinds). Compiled per request when it is admitted: a grammar the
+    backend refuses rejects that request only."""
+
+    json_schema: str | None = Field(None, description="JSON schema (a dict or its JSON text; stored as JSON text, "
+                                    "key order kept: it orders the properties); the output is one JSON value "
+                                    "valid under it")
+    regex: str | None = Field(None, description="the output matches this regular expression")
+    lark: str | None = Field(None, description="the output is a sentence of this Lark grammar")
+    json_whitespace_flexible: bool = Field(False, description="json_schema: allow any whitespace between JSON "
+                                           "tokens (default: compact separators, which small models cannot loop in "
+                                           "and whose forced tokens are drafted exactly)")
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_text(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"json_schema is not valid JSON ({err})") from None
+        if value is not None and not isinstance(value, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object (or true/false), got {type(value).__name__}")
+        return None if value is None else json.dumps(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> GuidedDecodingParams:
+        given = [name for name in ("json_schema", "regex", "lark") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, lark; got {given or 'none'}")
+        return self
 
 
 class SamplingParams(_Frozen):
@@ -30,6 +65,9 @@ class SamplingParams(_Frozen):
     seed: int | None = Field(None, ge=0, lt=2**63, description="this request's own random stream: the same request "
                              "with the same seed samples the same tokens whatever else is in the batch; None = "
                              "the generate call's stream")
+    guided_decoding: GuidedDecodingParams | None = Field(
+        None, description="constrain the output to a grammar (needs the target's tokenizer and the 'guided' extra); "
+        "the request ends when the grammar is complete")
 
     @property
     def is_greedy(self) -> bool:
@@ -75,7 +113,15 @@ class MTPConfig(_Frozen):
     mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
     mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")
     mtp_hidden_feedback: Literal["pre_norm", "post_norm"] = Field(
-        "pre_norm", description="MTP-Eagle: hidden fed to the next draft step, before or after shared_head.norm")
+        "post_norm", description="hidden handed to the next draft step / module: after shared_head.norm "
+        "(default: the input hnorm was trained on; TensorRT-LLM DeepseekV3MTP.forward returns "
+        "shared_head.norm(hidden_states, residual) and MTPEagleWorker feeds it back; SGLang deepseek_nextn and vLLM "
+        "since PR #45895 do the same) or the block output before it (what tllm_spec's shipped demo module was "
+        "trained with)")
+    mtp_layer_selection: Literal["first", "per_step"] = Field(
+        "first", description="MTP-Eagle: the module that drafts step k. 'first': module 0 for every step "
+        "(TensorRT-LLM MTPEagleWorker); 'per_step': module k mod num_nextn_predict_layers, each with its own KV "
+        "layer and shared_head (vLLM's spec_step_idx % num_mtp_layers, Step-3.5's round-robin MTP layers)")
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")
@@ -90,6 +136,8 @@ class MTPConfig(_Frozen):
     def _check(self) -> MTPConfig:
         if self.use_mtp_vanilla and self.max_draft_len not in (None, self.num_nextn_predict_layers):
             raise ValueError("max_draft_len: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
+        if self.use_mtp_vanilla and self.mtp_layer_selection != "first":
+            raise ValueError("mtp_layer_selection is an MTP-Eagle option (vanilla MTP runs module k for step k)")
         if self.use_relaxed_acceptance_for_thinking and (
                 self.begin_thinking_phase_token is None or self.end_thinking_phase_token is None):
             raise ValueError("begin_thinking_phase_token/end_thinking_phase_token are required with "

@@ -16,6 +16,8 @@ from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
 from .cuda_graphs import CUDAGraphRunner, pack_outputs
 from .engine import Engine, GenerationOutputs
 from .forced_acceptance import read_forced_num_accepted
+from .grammar import GrammarCompiler
+from .guided import GuidedDecoder
 from .kv_cache import KVCache
 from .metadata import SpecMetadata
 from .modes import SpeculativeDecodingMode
@@ -98,6 +100,22 @@ class SpecModel(nn.Module):
         if self.graph_runner is not None:
             self.graph_runner = CUDAGraphRunner(self)
 
+    def enable_guided_decoding(self) -> str | None:
+        """Give the worker a guided decoder (once; captured graphs are dropped so that they mask the logits).
+        Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
+        if self.worker.guided_decoder is not None:
+            return None
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        try:
+            compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size,
+                                       eos if eos is not None else next(iter(self.eos_token_ids), None))
+        except (ImportError, ValueError) as err:
+            return str(err)
+        self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device))
+        if self.graph_runner is not None:
+            self.graph_runner = CUDAGraphRunner(self)
+        return None
+
     @property
     def device(self) -> torch.device:
         return self.target.lm_head.weight.device
@@ -142,9 +160,10 @@ class SpecModel(nn.Module):
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        guided_error = self.enable_guided_decoding() if any(p.guided_decoding for p in params) else None
         if self.graph_runner is not None:
             self.graph_runner.capture_all(params)  # once: warm-up and capture before the first timed step
-        return Engine(self).generate(token_prompts, params, seed, progress)
+        return Engine(self, guided_error).generate(token_prompts, params, seed, progress)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -46,7 +46,7 @@ class DraftTrainConfig(BaseModel):
                                                     "captured; default (1, L//2-1, L-4)")
     intermediate_size: int | None = Field(None, ge=1, description="EAGLE-3 head MLP width; default the target's")
     num_modules: int = Field(1, ge=1, le=8, description="MTP: >1 trains vanilla MTP (one level per module)")
-    hidden_feedback: Literal["pre_norm", "post_norm"] = Field("pre_norm", description="MTP: the hidden fed to "
+    hidden_feedback: Literal["pre_norm", "post_norm"] = Field("post_norm", description="MTP: the hidden fed to "
                                                               "the next level (must match MTPConfig)")
     heldout_every: int = Field(HELDOUT_EVERY, ge=0, description="hold out every Nth file (0: none)")
     suffixes: tuple[str, ...] = TEXT_SUFFIXES

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from ..metadata import SpecMetadata
 from ..rejection import full_vocab_probs, rejection_sample
 
 _SALT_TARGET, _SALT_DRAFT = 0x7A, 0xD7  # per-request streams share counters between target and draft draws
+
+if TYPE_CHECKING:
+    from ..guided import GuidedDecoder
 
 
 class SpecWorkerBase(nn.Module, ABC):
@@ -31,6 +35,7 @@ class SpecWorkerBase(nn.Module, ABC):
         self.use_rejection_sampling = use_rejection_sampling
         self.forced_num_accepted = read_forced_num_accepted()
         self.draft_probs: torch.Tensor | None = None  # [slots, K, V] f32: what each slot's drafts were drawn from
+        self.guided_decoder: GuidedDecoder | None = None
 
     def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         """Per-request device state kept across steps (indexed by KV slot): the draft distributions that
@@ -51,6 +56,23 @@ class SpecWorkerBase(nn.Module, ABC):
 
     def compile(self) -> None:
         """torch.compile the draft network's passes for generation-only steps; default none."""
+
+    def set_guided_decoder(self, guided_decoder: GuidedDecoder) -> bool:
+        """Mask target rows and draft passes with ``guided_decoder``'s grammar bitmasks (TensorRT-LLM name)."""
+        self.guided_decoder = guided_decoder
+        return True
+
+    def _execute_guided_decoder_if_present(self, logits: torch.Tensor) -> None:
+        """Mask the target logits [R, V] in place with this step's grammar bitmasks, before any sampling or
+        acceptance reads them (tensor ops on stable buffers: capturable)."""
+        if self.guided_decoder is not None:
+            self.guided_decoder.execute(logits)
+
+    def _add_guided_draft_batch_if_present(self, num_accepted: torch.Tensor) -> None:
+        """Hand the accepted counts [B] to the guided decoder before drafting: it picks each request's
+        draft-pass masks by them (a device gather)."""
+        if self.guided_decoder is not None:
+            self.guided_decoder.add_draft_batch(num_accepted)
 
     def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Target tokens for every row. logits [R, V] -> [R] int64. An all-greedy step is a plain argmax."""
@@ -112,7 +134,10 @@ class SpecWorkerBase(nn.Module, ABC):
                                  slots: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Draft step ``step``: argmax (strict acceptance), or a sample at each request's temperature /
         top-k / top-p whose distribution is kept for rejection sampling (argmax in an all-greedy step, whose
-        drafts are verified strictly). draft_logits [B, V_draft] -> [B]."""
+        drafts are verified strictly). draft_logits [B, V_draft] -> [B]. A guided decoder first masks the
+        logits in place with the step's draft-pass bitmask."""
+        if self.guided_decoder is not None:
+            self.guided_decoder.execute_draft_batch(draft_logits, d2t, step)
         if not self.use_rejection_sampling or spec_metadata.all_greedy:
             return sampling.greedy_draft_tokens(draft_logits, d2t)
         temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
