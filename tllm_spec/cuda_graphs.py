@@ -92,7 +92,7 @@ class CUDAGraphRunner:
         drafts = self.inputs[3, :size * self.k].view(size, self.k)
         kv = self.model.kv_cache
         attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size)
-        return pack_outputs(self.model(ids, attn, drafts))
+        return self.model.packed_forward(ids, attn, drafts)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so
