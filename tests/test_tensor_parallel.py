@@ -2,8 +2,11 @@
 save_pretrained and loaded shard by shard through the real loader, an EAGLE-3 head replicated on each rank."""
 from __future__ import annotations
 
+import json
 import os
 import queue
+import subprocess
+import sys
 import tempfile
 import traceback
 from functools import cache
@@ -160,3 +163,31 @@ def test_check_shardable_names_the_problem(overrides, message):
 
 def test_check_shardable_accepts_a_fitting_target():
     check_shardable(target_config("llama"), 2)
+
+
+def test_torchrun_generate_script_tp2(tmp_path):
+    """The documented launch: torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel-size 2, on a
+    checkpoint saved as several safetensors files (index), strings through the tokenizer; rank 0 reports."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    target, head = tiny_tp_pair("llama")
+    sharded = tmp_path / "target"
+    AutoModelForCausalLM.from_pretrained(target).save_pretrained(sharded, max_shard_size="200KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(sharded)
+    out = tmp_path / "out.json"
+    script = Path(__file__).parent.parent / "scripts" / "generate.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           "--tensor-parallel-size", "2", "--target", str(sharded), "--draft", str(head), "--device", "cpu",
+           "--dtype", "float32", "--prompt", "w5 w17 w3", "--max-new-tokens", "6", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["engine"]["tensor_parallel_size"] == 2
+    assert data["outputs"][0]["token_ids"] == hf_greedy(target, [5, 17, 3], 6)
+    assert done.stdout.count("w5 w17 w3") == 1  # printed by rank 0 only
