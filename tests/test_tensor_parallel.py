@@ -42,13 +42,15 @@ def tiny_tp_pair(arch: str, **overrides) -> tuple[Path, Path]:
     return save_random_target(root / "target", cfg, seed=3), save_random_head(root / "head", cfg, seed=4)
 
 
-def run_ranks(fn, *args) -> list:
-    """``fn(*args)`` on every rank of a gloo world of WORLD_SIZE spawned processes; returns each rank's result
-    (an exception's message as ("error", text)). Fails when a rank does not answer within TIMEOUT_S."""
+def run_ranks(fn, *args, backend: str = "gloo") -> list:
+    """``fn(*args)`` on every rank of a ``backend`` world of WORLD_SIZE spawned processes (nccl: one GPU each);
+    returns each rank's result (an exception as ("error", text)). Fails when a rank does not answer within
+    TIMEOUT_S."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_file = tempfile.mktemp(prefix="tllm_spec_tp_init_")
-    procs = [ctx.Process(target=_rank_main, args=(rank, init_file, fn, args, results)) for rank in range(WORLD_SIZE)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, init_file, backend, fn, args, results))
+             for rank in range(WORLD_SIZE)]
     for p in procs:
         p.start()
     answers = {}
@@ -66,9 +68,12 @@ def run_ranks(fn, *args) -> list:
     return [answers[r] for r in range(WORLD_SIZE)]
 
 
-def _rank_main(rank: int, init_file: str, fn, args: tuple, results) -> None:
+def _rank_main(rank: int, init_file: str, backend: str, fn, args: tuple, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: the GPU of this rank
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
         answer = fn(*args)
     except Exception as err:  # noqa: BLE001 - reported to the test process
@@ -153,9 +158,10 @@ def test_kv_heads_split_or_replicated(kv_heads, size, expected):
     assert [TensorParallel(r, size, "g").kv_heads(kv_heads) for r in range(size)] == expected
 
 
-@pytest.mark.parametrize("overrides,message", [(dict(num_attention_heads=6, num_key_value_heads=6), "6 attention heads"),
-                                               (dict(num_key_value_heads=3, num_attention_heads=12), "3 KV heads"),
-                                               (dict(intermediate_size=130), "intermediate_size 130")])
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_attention_heads=6, num_key_value_heads=6), "6 attention heads"),
+    (dict(num_key_value_heads=3, num_attention_heads=12), "3 KV heads"),
+    (dict(intermediate_size=130), "intermediate_size 130")])
 def test_check_shardable_names_the_problem(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_shardable(target_config("llama", **{"hidden_size": 96, **overrides}), 4)
@@ -191,3 +197,31 @@ def test_torchrun_generate_script_tp2(tmp_path):
     assert data["config"]["engine"]["tensor_parallel_size"] == 2
     assert data["outputs"][0]["token_ids"] == hf_greedy(target, [5, 17, 3], 6)
     assert done.stdout.count("w5 w17 w3") == 1  # printed by rank 0 only
+
+
+def _random_tp2_model(workdir: str) -> dict:
+    from tllm_spec.benchmark import step_bytes
+    from tllm_spec.random_models import random_spec_model
+    model = random_spec_model("tiny", "eagle3", 3, workdir, torch.float32, "cpu", max_batch_size=2,
+                              tensor_parallel_size=WORLD_SIZE)
+    outs = model.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    layer = model.target.hf.model.layers[0]
+    plain = SpecModel.from_target(model.target, None, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+    return {"tokens": [o.token_ids for o in outs], "embed": model.target.embed(torch.arange(5)).sum().item(),
+            "q_proj": layer.self_attn.q_proj.weight.sum().item(), "q_rows": layer.self_attn.q_proj.out_features,
+            "bytes": step_bytes(plain, 2, 10)}
+
+
+def test_random_sharded_target_for_benchmarks(tmp_path):
+    """benchmark.py's random targets at TP2: whole tensors equal on both ranks, shards their own, half the rows,
+    and a per-GPU roofline that counts only this rank's bytes (about half of the target's)."""
+    ranks = run_ranks(_random_tp2_model, str(tmp_path))
+    for answer in ranks:
+        assert isinstance(answer, dict), answer
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] and all(len(t) == 6 for t in ranks[0]["tokens"])
+    assert ranks[0]["embed"] == ranks[1]["embed"] and ranks[0]["q_proj"] != ranks[1]["q_proj"]
+    assert ranks[0]["q_rows"] == 64 // WORLD_SIZE
+    from tllm_spec.benchmark import step_bytes
+    from tllm_spec.random_models import random_spec_model
+    tp1 = random_spec_model("tiny", "none", 0, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    assert 0.45 * step_bytes(tp1, 2, 10) < ranks[0]["bytes"] < 0.55 * step_bytes(tp1, 2, 10)
