@@ -4,11 +4,14 @@
     python scripts/generate.py --config configs/demo_eagle3.yaml --prompt "def main():"
     python scripts/generate.py --target /models/llama --draft /models/eagle3 -k 3 --temperature 0.7 \
         --prompt-file prompts.txt --batch-size 8
+    torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel-size 2 --target /models/llama \
+        --draft /models/eagle3          # target split over 2 GPUs, draft on each; rank 0 prints
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -34,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--batch-size", type=int, help="max requests decoded together")
+    p.add_argument("--tensor-parallel-size", type=int, help="split the target over N ranks (launch with torchrun "
+                   "--nproc-per-node N; gloo on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
@@ -63,6 +68,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     cfg["sampling"].update({k: v for k, v in overrides.items() if v is not None})
     if args.batch_size:
         cfg["engine"]["max_batch_size"] = args.batch_size
+    if args.tensor_parallel_size:
+        cfg["engine"]["tensor_parallel_size"] = args.tensor_parallel_size
     cfg["dtype"] = args.dtype or cfg["dtype"]
     cfg["device"] = args.device or cfg["device"]
     return RunConfig.model_validate(cfg)
@@ -82,7 +89,10 @@ def main() -> None:
     cfg = build_config(args)
     model = SpecModel.from_run_config(cfg)
     prompts = read_prompts(args)
-    outputs = model.generate(prompts, cfg.sampling, seed=args.seed, progress=True)
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # every rank decodes the same steps; rank 0 reports
+    outputs = model.generate(prompts, cfg.sampling, seed=args.seed, progress=first_rank)
+    if not first_rank:
+        return
     print(format_outputs(outputs, prompts))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), "stats": outputs.stats, "outputs": [

@@ -178,6 +178,16 @@ class EngineConfig(_Frozen):
     compile_step: bool = Field(True, description="CUDA: torch.compile each CUDA-graph bucket's whole generation "
                                "step (fused targets) or the decoder layers (stock modules); ignored on CPU and "
                                "with enforce_eager")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) the target is split over; "
+                                      "launch with torchrun --nproc-per-node N (gloo on CPU); the draft is "
+                                      "replicated on every rank")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and not self.use_fused_layers:
+            raise ValueError("tensor_parallel_size > 1 needs use_fused_layers=True (the sharded layers are the "
+                             "fused ones)")
+        return self
 
 
 class RunConfig(_Frozen):

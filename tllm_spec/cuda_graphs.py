@@ -101,7 +101,7 @@ class CUDAGraphRunner:
         kv = self.model.kv_cache
         attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
                                        tokens_per_request=self.k + 1)
-        return pack_outputs(self.model(ids, attn, drafts))
+        return self.model.packed_forward(ids, attn, drafts)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so

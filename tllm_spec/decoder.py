@@ -30,17 +30,28 @@ class FusedDecoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.capture_ids: tuple[int, ...] = ()
 
-    @classmethod
-    def from_hf(cls, hf_model: PreTrainedModel, max_positions: int) -> FusedDecoder | None:
-        """Fuse ``hf_model``'s decoder, or None when its layers are not the supported dense kind."""
+    @staticmethod
+    def supports(hf_model: PreTrainedModel) -> bool:
+        """Whether ``hf_model``'s layers are the supported dense kind (works on a meta-device model too)."""
         decoder = hf_model.get_decoder()
-        rotary = getattr(decoder, "rotary_emb", None)
-        if not all(_supported_layer(layer) for layer in decoder.layers) or not _supported_rotary(rotary) \
-                or type(decoder.norm).__name__ not in _RMS_NORMS:
+        return (all(_supported_layer(layer) for layer in decoder.layers)
+                and _supported_rotary(getattr(decoder, "rotary_emb", None))
+                and type(decoder.norm).__name__ in _RMS_NORMS)
+
+    @classmethod
+    def from_hf(cls, hf_model: PreTrainedModel, max_positions: int, tp_group: str | None = None
+                ) -> FusedDecoder | None:
+        """Fuse ``hf_model``'s decoder, or None when its layers are not the supported dense kind. ``tp_group``:
+        the model holds one tensor-parallel rank's shards; attention and MLP outputs are all-reduced there."""
+        if not cls.supports(hf_model):
             return None
+        decoder = hf_model.get_decoder()
         dtype = decoder.embed_tokens.weight.dtype
         layers = [_fuse_layer(layer, i) for i, layer in enumerate(decoder.layers)]
-        return cls(decoder.embed_tokens, layers, decoder.norm, RotaryTable.from_hf(rotary, max_positions, dtype))
+        for layer in layers:
+            layer.self_attn.tp_group = layer.mlp.tp_group = tp_group
+        return cls(decoder.embed_tokens, layers, decoder.norm,
+                   RotaryTable.from_hf(decoder.rotary_emb, max_positions, dtype))
 
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [T] int64 -> (final-normed hidden [T, H], outputs of the capture layers, each [T, H])."""

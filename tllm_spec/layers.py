@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, attend
+from .parallel import all_reduce
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
@@ -86,7 +87,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Self-attention with one fused qkv GEMM, optional per-head q/k RMSNorm (Qwen3), sliding window (Mistral,
-    Qwen2), K/V written to KV layer ``kv_layer`` of the paged cache."""
+    Qwen2), K/V written to KV layer ``kv_layer`` of the paged cache.
+
+    Tensor parallel (``tp_group`` names the process group): qkv_proj holds this rank's heads, o_proj the
+    matching input columns, and its partial sums are all-reduced. None (one GPU): no collective at all."""
 
     def __init__(self, qkv_proj: nn.Linear, o_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int,
                  kv_layer: int, scale: float, sliding_window: int | None = None, q_norm: nn.Module | None = None,
@@ -96,6 +100,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.kv_layer, self.scale, self.sliding_window = kv_layer, scale, sliding_window
         self.sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.tp_group: str | None = None
 
     @classmethod
     def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, head_dim: int, kv_layer: int,
@@ -114,16 +119,19 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attend(self.kv_layer, q, k, v.view(-1, self.num_kv_heads, self.head_dim), attn, self.scale,
                      self.sliding_window)
-        return self.o_proj(out.flatten(1))
+        out = self.o_proj(out.flatten(1))
+        return out if self.tp_group is None else all_reduce(out, self.tp_group)
 
 
 class MLP(nn.Module):
-    """SwiGLU with one fused gate/up GEMM: down(silu(gate(x)) * up(x))."""
+    """SwiGLU with one fused gate/up GEMM: down(silu(gate(x)) * up(x)). Tensor parallel (``tp_group``): this
+    rank's slice of the intermediate size, the down projection's partial sums all-reduced."""
 
     def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Linear):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
         self.intermediate = gate_up_proj.out_features // 2
+        self.tp_group: str | None = None
 
     @classmethod
     def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> MLP:
@@ -131,7 +139,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp_group is None else all_reduce(out, self.tp_group)
 
 
 class DecoderLayer(nn.Module):

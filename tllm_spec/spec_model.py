@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from .guided import GuidedDecoder
 from .kv_cache import KVCache
 from .metadata import SpecMetadata
 from .modes import SpeculativeDecodingMode
+from .parallel import TensorParallel, broadcast_from_first, local_process_device
 from .target import TargetModel
 from .tokenizer import load_tokenizer
 from .workers.base import SpecWorkerBase
@@ -64,19 +66,29 @@ class SpecModel(nn.Module):
                         engine_config: EngineConfig | None = None, **engine_kwargs) -> SpecModel:
         """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft.
 
-        ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``).
+        ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``). With
+        ``tensor_parallel_size=N`` every one of the N ranks (``torchrun --nproc-per-node N``) makes this call
+        and loads its shard of the target and a whole copy of the draft.
         """
+        engine_config = _engine_config(engine_config, engine_kwargs)
         device = _resolve_device(device)
+        parallel = _tensor_parallel(engine_config, spec_config, device)
+        device = local_process_device(device) if parallel else device
         target_dir = demo.resolve(target_dir)
-        target = TargetModel.load(target_dir, _resolve_dtype(dtype, device), device)
-        return cls.from_target(target, spec_config, engine_config, load_tokenizer(target_dir), **engine_kwargs)
+        target = TargetModel.load(target_dir, _resolve_dtype(dtype, device), device, parallel)
+        return cls.from_target(target, spec_config, engine_config, load_tokenizer(target_dir))
 
     @classmethod
     def from_target(cls, target: TargetModel, spec_config: Eagle3Config | MTPConfig | None = None,
                     engine_config: EngineConfig | None = None, tokenizer=None, **engine_kwargs) -> SpecModel:
         """Wrap an already loaded (or randomly initialised) target and load the draft for it."""
-        engine_config = EngineConfig.model_validate({**(engine_config or EngineConfig()).model_dump(),
-                                                     **engine_kwargs})
+        engine_config = _engine_config(engine_config, engine_kwargs)
+        tp_size = target.parallel.size if target.parallel else 1
+        if engine_config.tensor_parallel_size != tp_size:
+            raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but the target is split "
+                             f"over {tp_size} ranks")
+        if tp_size > 1:
+            _check_tp_spec(spec_config)
         dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
         mode = spec_config.spec_dec_mode if spec_config is not None else SpeculativeDecodingMode.NONE
         if mode.is_eagle3_one_model():
@@ -133,6 +145,15 @@ class SpecModel(nn.Module):
         features = captured if self.mode.is_eagle3_one_model() else hidden
         return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
 
+    def packed_forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor
+                       ) -> torch.Tensor:
+        """:meth:`forward` with its outputs packed [B, 2K+3] int64 (one D2H copy). Tensor parallel: rank 0's
+        outputs on every rank (every rank computes the same tokens from the same gathered logits and seeds; the
+        broadcast makes the host schedules of the ranks identical by construction)."""
+        packed = pack_outputs(self(input_ids, attn, draft_tokens))
+        parallel = self.target.parallel
+        return packed if parallel is None else broadcast_from_first(packed, parallel)
+
     def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
              params: list[SamplingParams], context_lens: tuple[int, ...]) -> torch.Tensor:
         """Run one step from host-side inputs (flat layout, context requests first); returns the packed
@@ -147,7 +168,7 @@ class SpecModel(nn.Module):
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
                                        tokens_per_request=self.max_draft_len + 1)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, self.max_draft_len)
-        return pack_outputs(self(torch.tensor(ids, device=device), attn, draft_tokens))
+        return self.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -182,6 +203,26 @@ class SpecModel(nn.Module):
             self.target.lm_head.weight.dtype)
         return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, self.target.lm_head.weight.dtype,
                        self.device)
+
+
+def _engine_config(engine_config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    return EngineConfig.model_validate({**(engine_config or EngineConfig()).model_dump(), **overrides})
+
+
+def _tensor_parallel(cfg: EngineConfig, spec_config: Eagle3Config | MTPConfig | None, device: torch.device
+                     ) -> TensorParallel | None:
+    """The tensor-parallel group, checked before any weight loads (the same error on every rank)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.tensor_parallel_size == 1 and launched == 1:
+        return None
+    _check_tp_spec(spec_config)
+    return TensorParallel.setup(cfg.tensor_parallel_size, device)
+
+
+def _check_tp_spec(spec_config: Eagle3Config | MTPConfig | None) -> None:
+    if isinstance(spec_config, MTPConfig):
+        raise ValueError("MTP with tensor_parallel_size > 1 is not supported yet (MTP modules share the target's "
+                         "vocabulary-parallel lm_head); use EAGLE-3 or tensor_parallel_size=1")
 
 
 def _eagle3_worker(target: TargetModel, cfg: Eagle3Config, dtype: torch.dtype, device: torch.device

@@ -3,18 +3,24 @@
 Supported dense architectures run through :class:`~tllm_spec.decoder.FusedDecoder` (fused q/k/v and gate/up
 GEMMs, weights shared with the stock modules) once :meth:`TargetModel.fuse` is called; anything else, or a
 target left unfused, runs the stock HF decoder modules with our attention behind transformers'
-``AttentionInterface``."""
+``AttentionInterface``.
+
+Tensor parallel (a :class:`~tllm_spec.parallel.TensorParallel` given): each rank holds its shards
+(:mod:`tllm_spec.sharding`) and runs the fused decoder, whose attention and MLP all-reduce their outputs; the
+lm_head is vocabulary-parallel and the sampled rows' logits are gathered once."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
 from .decoder import FusedDecoder
 from .layers import COMPILE_OPTIONS
+from .parallel import TensorParallel, check_shardable, gather_vocab
+from .sharding import load_sharded, random_sharded
 
 
 class TargetModel(nn.Module):
@@ -24,12 +30,14 @@ class TargetModel(nn.Module):
     Forward hooks capture the outputs of chosen decoder layers (EAGLE-3's aux hidden states).
     """
 
-    def __init__(self, hf_model: PreTrainedModel):
+    def __init__(self, hf_model: PreTrainedModel, parallel: TensorParallel | None = None):
         super().__init__()
+        self.parallel = parallel
         self.hf = hf_model.requires_grad_(False)  # inference only (draft training freezes the target too)
         self.config = hf_model.config
         self.decoder = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
+        self.vocab_size: int = hf_model.config.vocab_size if parallel else self.lm_head.weight.shape[0]
         self._captured: dict[int, torch.Tensor] = {}
         self._capture_ids: tuple[int, ...] = ()
         self.fused: FusedDecoder | None = None
@@ -38,13 +46,21 @@ class TargetModel(nn.Module):
         self.checkpoint_dir: Path | None = None  # set by load(); MTP weights are read from here
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype, device: torch.device) -> TargetModel:
+    def load(cls, path: str | Path, dtype: torch.dtype, device: torch.device,
+             parallel: TensorParallel | None = None) -> TargetModel:
+        """``parallel``: load only this rank's shards (checked to fit before any weight is read)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
         config = AutoConfig.from_pretrained(path)
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"{path}: encoder-decoder models are not supported; tllm_spec needs a causal LM")
+        if parallel is not None:
+            target = cls(_sharded(config, parallel, lambda: load_sharded(path, config, dtype, device, parallel)),
+                         parallel)
+            target.hf.generation_config = _generation_config(path, target.hf.generation_config)
+            target.checkpoint_dir = path
+            return target
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         target = cls(hf.to(device).eval())
         target.checkpoint_dir = path
@@ -52,8 +68,13 @@ class TargetModel(nn.Module):
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
-                    seed: int = 0) -> TargetModel:
-        """A randomly initialised target built directly on ``device`` (benchmarks, no checkpoint needed)."""
+                    seed: int = 0, parallel: TensorParallel | None = None) -> TargetModel:
+        """A randomly initialised target built directly on ``device`` (benchmarks, no checkpoint needed);
+        ``parallel``: only this rank's shards."""
+        if parallel is not None:
+            device = torch.device(device)
+            return cls(_sharded(config, parallel, lambda: random_sharded(config, dtype, device, parallel, seed)),
+                       parallel)
         torch.manual_seed(seed)
         with torch.device(device):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
@@ -63,7 +84,8 @@ class TargetModel(nn.Module):
         """Switch to the fused decoder (RoPE table for positions < ``max_positions``); False when the
         architecture is not supported (the stock modules stay in use)."""
         if self.fused is None:
-            self.fused = FusedDecoder.from_hf(self.hf, max_positions)
+            self.fused = FusedDecoder.from_hf(self.hf, max_positions,
+                                              self.parallel.group_name if self.parallel else None)
             if self.fused is not None:
                 self.fused.capture_ids = self._capture_ids
         elif self.fused.rotary.max_positions < max_positions:
@@ -97,14 +119,13 @@ class TargetModel(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
-
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
-        """(num_kv_heads, head_dim) of every decoder layer, in order."""
+        """(num_kv_heads, head_dim) of every decoder layer, in order (this rank's KV heads when tensor parallel)."""
         head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
         num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        if self.parallel is not None:
+            start, stop = self.parallel.kv_heads(num_kv_heads)
+            num_kv_heads = stop - start
         return [(num_kv_heads, head_dim)] * self.num_layers
 
     def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
@@ -138,5 +159,26 @@ class TargetModel(nn.Module):
         return hidden, torch.cat(captured, dim=-1) if captured else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, H] -> [R, V] in fp32."""
-        return self.lm_head(hidden).float()
+        """[R, H] -> [R, V] in fp32 (tensor parallel: this rank's vocabulary slice, gathered from all ranks)."""
+        logits = self.lm_head(hidden)
+        if self.parallel is not None:
+            logits = gather_vocab(logits, self.vocab_size, self.parallel)
+        return logits.float()
+
+
+def _sharded(config: PretrainedConfig, parallel: TensorParallel, build) -> PreTrainedModel:
+    """``build()`` once ``config`` is known to split ``parallel.size`` ways through the fused layers."""
+    check_shardable(config, parallel.size)
+    with torch.device("meta"):
+        probe = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    if not FusedDecoder.supports(probe):
+        raise ValueError(f"tensor parallelism runs the fused decoder layers, which do not support "
+                         f"{type(probe).__name__}; use tensor_parallel_size=1")
+    return build().requires_grad_(False).eval()
+
+
+def _generation_config(path: Path, default: GenerationConfig) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return default
