@@ -15,6 +15,13 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 
+def flat_slot_index(block_tables: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor, page_size: int
+                    ) -> torch.Tensor:
+    """Flat cache row (page * page_size + offset) of each token's K/V. [N] int64 -> [N] int64."""
+    pages = block_tables[token_slots, positions // page_size].to(torch.int64)
+    return pages * page_size + positions % page_size
+
+
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor) -> None:
     """Torch reference (the CPU path and the oracle).
@@ -22,9 +29,7 @@ def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     k, v [N, Hkv, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] (written in place); block_tables [S, P]
     int32; token_slots [N] int64 (block-table row of each token); positions [N] int64.
     """
-    page_size = k_cache.shape[1]
-    pages = block_tables[token_slots, positions // page_size].to(torch.int64)
-    index = pages * page_size + positions % page_size
+    index = flat_slot_index(block_tables, token_slots, positions, k_cache.shape[1])
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, index, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, index, v.to(v_cache.dtype))
 
