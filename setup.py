@@ -17,7 +17,9 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=8", "scipy>=1.10"],
+        # triton: the kernels are checked against their references under its CPU interpreter
+        "test": ["pytest>=8", "scipy>=1.10", "triton>=3.0", "llguidance>=1.0", "jsonschema>=4"],
+        "guided": ["llguidance>=1.0"],
         "gpu": ["flashinfer-python>=0.7", "triton>=3.0"],
         "plot": ["matplotlib>=3.7"],
     },

@@ -5,11 +5,16 @@ TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 
     python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
     python scripts/benchmark.py --plot-only runs/bench/benchmark.json
+    torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape llama-3.1-70b --no-hf
+
+Tensor parallel: every rank runs the same schedule; rank 0 writes the results. The roofline is per GPU (this
+rank's weight and KV bytes over one GPU's bandwidth; communication is not in it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +24,7 @@ from tqdm.auto import tqdm
 
 from tllm_spec.benchmark import (format_profile, hf_generate_tokens_per_second, measure_bandwidth, profile_step,
                                  run_point, to_rows)
+from tllm_spec.parallel import local_process_device
 from tllm_spec.random_models import SHAPES, random_spec_model
 from tllm_spec.spec_model import SpecModel
 
@@ -28,13 +34,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5)")
+    p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5; 0 means off, as in TensorRT-LLM: the draft's own acceptance, ~0 drafts for random heads)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hf-static-batches", type=int, nargs="*", default=[1], help="HF static-cache baseline here")
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile the target's decoder layers")
-    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of eager steps at batch 1")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also measure no-spec and EAGLE-3 forced K with the stock HF layers (graphed, not compiled) "
+                   "and with fused layers not compiled, on fresh targets: the gain of each step of the fast path")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target over N GPUs (torchrun "
+                   "--nproc-per-node N); HF generate is then skipped")
+    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1")
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json")
     return p.parse_args()
@@ -45,34 +55,61 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
         return
+    tp = args.tensor_parallel_size
+    if tp > 1 and args.compare_eager:
+        raise SystemExit("--compare-eager measures the stock HF layers, which tensor parallelism does not shard")
+    first = int(os.environ.get("RANK", "0")) == 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda")
+    device = local_process_device(torch.device("cuda")) if tp > 1 else torch.device("cuda")
     k = args.max_draft_len
     forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
     bandwidth = measure_bandwidth(device)
     engine = dict(max_batch_size=max(args.batches), max_seq_len=args.prompt_len + args.new_tokens + 8,
-                  compile_target=args.compile)
-    with tempfile.TemporaryDirectory() as workdir:
-        spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine)
-    plain = SpecModel.from_target(spec.target, None, **engine)
-    results = {"gpu": torch.cuda.get_device_name(device), "shape": args.shape, "k": k, "dtype": "bfloat16",
-               "compile_target": args.compile,
+                  kv_cache_fraction=0.2 if args.compare_eager else 0.5, tensor_parallel_size=tp)
+    results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
+               "dtype": "bfloat16",
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": []}
-    jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in forced]
-    for batch, f, model in tqdm(jobs, desc="benchmark"):
-        point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])
-        results["points"] += to_rows([point])
-        (out / "benchmark.json").write_text(json.dumps(results, indent=2))  # partial results survive a crash
-        tqdm.write(f"{point.mode:6s} batch {batch:3d} forced {f!s:5s} step {point.step_ms:7.2f} ms  "
-                   f"{point.tokens_per_second:9.1f} tok/s  roofline {point.roofline_fraction:5.1%}  "
-                   f"host {point.host_ms_per_step:.3f} ms")
+    variants = [("default", {})]
+    if args.compare_eager:
+        variants += [("fused, not compiled", dict(compile_step=False)),
+                     ("stock HF layers", dict(use_fused_layers=False, compile_step=False))]
+    for name, options in variants:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as workdir:
+            spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine, **options)
+        plain = SpecModel.from_target(spec.target, None, **engine, **options)
+        for model in (plain, spec):
+            if model.graph_runner is not None:
+                model.graph_runner.capture_all()
+        tqdm.write(f"{name}: built, compiled and captured in {time.perf_counter() - start:.1f} s")
+        todo = forced if name == "default" else [float(k)]
+        jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in todo]
+        for batch, f, model in tqdm(jobs, desc=f"benchmark ({name})", disable=not first):
+            point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])
+            results["points"] += [{**row, "variant": name} for row in to_rows([point])]
+            if not first:
+                continue
+            (out / "benchmark.json").write_text(json.dumps(results, indent=2))  # partial results survive a crash
+            tqdm.write(f"{name[:10]:10s} {point.mode:6s} batch {batch:3d} forced {f!s:5s} step "
+                       f"{point.step_ms:7.2f} ms {point.tokens_per_second:9.1f} tok/s  roofline "
+                       f"{point.roofline_fraction:5.1%}  host {point.host_ms_per_step:.3f} ms")
+        if name != "default":
+            del spec, plain
+            torch.cuda.empty_cache()
+            continue
+        default_models = (plain, spec)
+    plain, spec = default_models
     if args.profile:
         for model, forced in ((plain, None), (spec, float(k))):
             results["profile"].append(profile_step(model, 1, args.prompt_len, forced))
-            print(format_profile(results["profile"][-1]))
-    hf_runs = [] if args.no_hf else [(b, False) for b in args.batches] + [(b, True) for b in args.hf_static_batches]
+            if first:
+                print(format_profile(results["profile"][-1]))
+    if not first:
+        return
+    hf_runs = [] if args.no_hf or tp > 1 else [(b, False) for b in args.batches] + [
+        (b, True) for b in args.hf_static_batches]
     for batch, static in hf_runs:
         tps = hf_generate_tokens_per_second(spec, batch, args.prompt_len, args.new_tokens, static)
         results["hf"].append({"batch": batch, "static_cache": static, "tokens_per_second": tps})
@@ -84,18 +121,22 @@ def main() -> None:
 
 
 def table(results: dict) -> str:
-    lines = [f"{results['gpu']}, {results['shape']} random weights, bf16, K={results['k']}, prompt "
+    tp = results.get("tensor_parallel_size", 1)
+    gpus = f"{tp} x {results['gpu']} (tensor parallel)" if tp > 1 else results["gpu"]
+    lines = [f"{gpus}, {results['shape']} random weights, bf16, K={results['k']}, prompt "
              f"{results['prompt_len']}, {results['new_tokens']} new tokens, {results['date']}; GEMV bandwidth "
              f"{results['bandwidth_bytes_per_s']['gemv'] / 1e12:.2f} TB/s",
-             "| mode | batch | forced drafts | tokens/step | step ms | tok/s | roofline tok/s | of roofline | host ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | mode | batch | forced drafts | tokens/step | step ms | tok/s | roofline tok/s | of roofline "
+             "| host ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in results["points"]:
-        lines.append(f"| {p['mode']} | {p['batch']} | {p['forced_drafts'] if p['forced_drafts'] is not None else '-'} "
+        lines.append(f"| {p.get('variant', 'default')} | {p['mode']} | {p['batch']} | "
+                     f"{p['forced_drafts'] if p['forced_drafts'] is not None else '-'} "
                      f"| {p['tokens_per_step']:.2f} | {p['step_ms']:.2f} | {p['tokens_per_second']:.1f} | "
                      f"{p['roofline_tokens_per_second']:.1f} | {p['roofline_fraction']:.1%} | "
                      f"{p['host_ms_per_step']:.3f} |")
     for h in results["hf"]:
-        lines.append(f"| HF generate{' (static cache)' if h['static_cache'] else ''} | {h['batch']} | - | 1 | - | "
+        lines.append(f"| HF generate{' (static cache)' if h['static_cache'] else ''} | - | {h['batch']} | - | 1 | - | "
                      f"{h['tokens_per_second']:.1f} | - | - | - |")
     return "\n".join(lines)
 
@@ -111,12 +152,13 @@ def plot(results: dict, path: Path) -> None:
     batches = sorted({p["batch"] for p in results["points"]})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        spec = sorted((p for p in results["points"] if p["batch"] == batch and p["mode"] == "eagle3"),
+        default = [p for p in results["points"] if p.get("variant", "default") == "default"]
+        spec = sorted((p for p in default if p["batch"] == batch and p["mode"] == "eagle3"),
                       key=lambda p: p["forced_drafts"])
         x = [p["forced_drafts"] for p in spec]
         ax.plot(x, [p["tokens_per_second"] for p in spec], "o-", label="EAGLE-3 (measured)")
         ax.plot(x, [p["roofline_tokens_per_second"] for p in spec], "--", color="grey", label="memory roofline")
-        for p in results["points"]:
+        for p in default:
             if p["batch"] == batch and p["mode"] == "none":
                 ax.axhline(p["tokens_per_second"], color="C1", label="no speculation (same engine)")
         for h in results["hf"]:

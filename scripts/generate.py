@@ -8,11 +8,14 @@ speeds, the speedup and the acceptance are printed (--no-baseline skips the plai
     python scripts/generate.py --config configs/demo_eagle3.yaml --prompt "def main():"
     python scripts/generate.py --target /models/llama --draft /models/eagle3 -k 3 --temperature 0.7 \
         --prompt-file prompts.txt --batch-size 8
+    torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel-size 2 --target /models/llama \
+        --draft /models/eagle3          # target split over 2 GPUs, draft on each; rank 0 prints
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -41,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--batch-size", type=int, help="max requests decoded together")
+    p.add_argument("--tensor-parallel-size", type=int, help="split the target over N ranks (launch with torchrun "
+                   "--nproc-per-node N; gloo on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device")
@@ -70,6 +75,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     cfg["sampling"].update({k: v for k, v in overrides.items() if v is not None})
     if args.batch_size:
         cfg["engine"]["max_batch_size"] = args.batch_size
+    if args.tensor_parallel_size:
+        cfg["engine"]["tensor_parallel_size"] = args.tensor_parallel_size
     cfg["dtype"] = args.dtype or cfg["dtype"]
     cfg["device"] = args.device or cfg["device"]
     return RunConfig.model_validate(cfg)
@@ -88,14 +95,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = build_config(args)
     prompts = read_prompts(args)
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # every rank decodes the same steps; rank 0 reports
     if cfg.spec_config is None or args.no_baseline:
-        outputs = SpecModel.from_run_config(cfg).generate(prompts, cfg.sampling, seed=args.seed, progress=True)
+        outputs = SpecModel.from_run_config(cfg).generate(prompts, cfg.sampling, seed=args.seed, progress=first_rank)
         baseline, identical = None, None
-        print(format_outputs(outputs, prompts))
     else:
-        comparison = compare(cfg, prompts, seed=args.seed, progress=True)
+        comparison = compare(cfg, prompts, seed=args.seed, progress=first_rank)
         outputs, baseline, identical = comparison.spec, comparison.plain, comparison.same_tokens
-        print(format_outputs(outputs, prompts, aggregate=False))
+    if not first_rank:
+        return
+    print(format_outputs(outputs, prompts, aggregate=baseline is None))
+    if baseline is not None:
         print(format_comparison(comparison, cfg))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), "stats": outputs.stats, "outputs": [

@@ -36,7 +36,7 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--intermediate-size", type=int, help="EAGLE-3 head MLP width (default: the target's)")
     p.add_argument("--init-from", help="fine-tune this existing head / MTP directory (demo://eagle3, demo://mtp)")
     p.add_argument("--num-modules", type=int, default=1, help="MTP: > 1 trains vanilla MTP modules")
-    p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="pre_norm")
+    p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="post_norm")
     p.add_argument("--rollouts", type=int, default=0, help="self-distillation: target continuations of training "
                    "prompts generated first (half greedy, half T=1) and mixed into every batch")
     p.add_argument("--rollout-prompt-tokens", type=int, default=64)

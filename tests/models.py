@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+import shutil
 import tempfile
 
 import torch
@@ -19,14 +20,14 @@ ARCH_OVERRIDES = {"mistral": {"sliding_window": 7}, "qwen2": {}, "qwen3": {"head
 
 @cache
 def tiny_pair(arch: str = "llama", vocab_size: int = 97, draft_vocab_size: int | None = None, seed: int = 0,
-              head_scale: float = 1.0) -> tuple[Path, Path]:
+              head_scale: float = 1.0, num_layers: int = 8) -> tuple[Path, Path]:
     """(target_dir, head_dir) of a tiny random ``arch`` target and a random EAGLE-3 head in its dialect.
 
     ``head_scale`` multiplies the head's matrices: > 1 makes its attention sharp enough that a wrong
     position or a stale cache entry changes the drafts.
     """
-    cfg = target_config(arch, vocab_size=vocab_size, **ARCH_OVERRIDES[arch])
-    root = _ROOT / f"{arch}-{vocab_size}-{draft_vocab_size}-{seed}-{head_scale}"
+    cfg = target_config(arch, vocab_size=vocab_size, num_hidden_layers=num_layers, **ARCH_OVERRIDES[arch])
+    root = _ROOT / f"{arch}-{vocab_size}-{draft_vocab_size}-{seed}-{head_scale}-{num_layers}"
     target = save_random_target(root / "target", cfg, seed=seed)
     ckpt = random_head_for(cfg, draft_vocab_size=draft_vocab_size, seed=seed + 1)
     for name, tensor in ckpt.state_dict.items():
@@ -34,6 +35,39 @@ def tiny_pair(arch: str = "llama", vocab_size: int = 97, draft_vocab_size: int |
             tensor.mul_(head_scale)
     save_eagle3_checkpoint(root / "head", ckpt, ARCH_DIALECT[arch])
     return target, root / "head"
+
+
+def char_tokenizer(eos: str = "<eos>"):
+    """A byte-level tokenizer with one token per printable ASCII character (ids 0-94), newline (95) and EOS (96):
+    97 tokens, the tiny targets' vocabulary, so grammar-constrained output decodes to text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = printable[:], 0
+    for b in range(256):  # GPT-2's bytes_to_unicode: bytes outside `printable` map to 256, 257, ...
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    byte_chars = {b: chr(c) for b, c in zip(printable, codes)}
+    vocab = {byte_chars[b]: i for i, b in enumerate(list(range(32, 127)) + [10])}
+    vocab[eos] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos)
+
+
+@cache
+def tiny_guided_pair(draft_vocab_size: int | None = None) -> tuple[Path, Path]:
+    """tiny_pair("llama") with char_tokenizer() saved in the target directory (EOS = 96)."""
+    target, head = tiny_pair("llama", draft_vocab_size=draft_vocab_size)
+    root = _ROOT / f"guided-{draft_vocab_size}"
+    shutil.copytree(target, root / "target", dirs_exist_ok=True)
+    char_tokenizer().save_pretrained(root / "target")
+    return root / "target", head
 
 
 def eagle3(head: Path, k: int) -> Eagle3Config:

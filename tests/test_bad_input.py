@@ -179,3 +179,12 @@ def test_capture_layer_beyond_the_target():
     with pytest.raises(ValueError, match="eagle3_layers_to_capture") as err:
         SpecModel.from_pretrained(target, spec)
     assert "50" in str(err.value) and "8 layers" in str(err.value)
+
+
+def test_default_capture_layers_need_six_target_layers():
+    from tllm_spec.drafts.eagle3 import resolve_capture_layers
+
+    assert resolve_capture_layers(None, None, 6) == (1, 2, 2)
+    with pytest.raises(ValueError, match="5 decoder layers is too shallow"):
+        resolve_capture_layers(None, None, 5)
+    assert resolve_capture_layers((3, 0, 3), None, 5) == (0, 3, 3)  # an explicit choice still works

@@ -43,7 +43,10 @@ def test_eagle3_config_rules():
     with pytest.raises(ValidationError, match="max_draft_len"):
         Eagle3Config(speculative_model="x", max_draft_len=0)
     with pytest.raises(ValidationError, match="eagle3_layers_to_capture"):
-        Eagle3Config(speculative_model="x", eagle3_layers_to_capture=(1, 1, 5))
+        Eagle3Config(speculative_model="x", eagle3_layers_to_capture=(1, 5))
+    with pytest.raises(ValidationError, match="eagle3_layers_to_capture"):
+        Eagle3Config(speculative_model="x", eagle3_layers_to_capture=(-1, 2, 5))
+    assert Eagle3Config(speculative_model="x", eagle3_layers_to_capture=(1, 1, 5)).eagle3_layers_to_capture == (1, 1, 5)
     with pytest.raises(ValidationError, match="speculative_model"):
         Eagle3Config()
     with pytest.raises(NotImplementedError, match="EAGLE3 is not run"):

@@ -34,8 +34,11 @@ def pvalue(counts, probs):
     return chi2.sf(stat, len(exp) - 1)
 
 
-def sample_pairs(model, temperature, seed):
-    outs = model.generate([PROMPT] * N, SamplingParams(max_new_tokens=2, temperature=temperature), seed=seed)
+def sample_pairs(model, temperature, seed, request_seeds=False):
+    """Counts of the first two tokens of N requests; ``request_seeds``: request i has SamplingParams(seed=i)."""
+    params = SamplingParams(max_new_tokens=2, temperature=temperature)
+    params = [params.model_copy(update={"seed": seed * N + i}) for i in range(N)] if request_seeds else params
+    outs = model.generate([PROMPT] * N, params, seed=seed)
     counts = torch.zeros(V, V)
     for out in outs:
         counts[out.token_ids[0], out.token_ids[1]] += 1
@@ -58,3 +61,12 @@ def test_plain_sampling_matches_target():
     model = SpecModel.from_pretrained(target, None, max_batch_size=64)
     counts, _ = sample_pairs(model, 0.7, seed=9)
     assert pvalue(counts, exact_joint(target, 0.7)) > 1e-3
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_per_request_seeds_sample_the_target_distribution(k):
+    # every request draws from its own stream (seed i): across requests the pairs still follow the target
+    target, head = tiny_pair("llama", vocab_size=V, seed=4)
+    model = SpecModel.from_pretrained(target, eagle3(head, k) if k else None, max_batch_size=64)
+    counts, _ = sample_pairs(model, 1.0, seed=5, request_seeds=True)
+    assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3

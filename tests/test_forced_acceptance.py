@@ -11,40 +11,83 @@ class _Worker(SpecWorkerBase):
         raise NotImplementedError
 
 
-def _accept(monkeypatch, value, k=3, num_ctx=1, num_gen=2):
+def _set_env(monkeypatch, value):
     if value is None:
         monkeypatch.delenv(ENV_VAR, raising=False)
     else:
         monkeypatch.setenv(ENV_VAR, value)
+
+
+def _accept(monkeypatch, value, k=3, num_ctx=1, num_gen=2, first_drafts_right=0):
+    """(new_tokens, num_accepted) of a strict step whose first ``first_drafts_right`` drafts match the target."""
+    _set_env(monkeypatch, value)
     worker = _Worker(max_draft_len=k)
     meta = SpecMetadata(8, k, 8, "cpu")
     meta.prepare([SamplingParams()] * (num_ctx + num_gen), [3] * num_ctx)
-    # every draft wrong: strict acceptance alone would accept 1 token per generation request
     target = torch.arange(num_ctx + num_gen * (k + 1)) % 8
-    drafts = torch.full((num_gen, k), 7)
-    drafts[:, 0] = 6
-    return worker.accept_tokens(target, drafts, num_ctx, meta)[1]
+    gen_target = target[num_ctx:].view(num_gen, k + 1)
+    drafts = (gen_target[:, :k] + 1) % 8  # every draft wrong ...
+    drafts[:, :first_drafts_right] = gen_target[:, :first_drafts_right]  # ... but the first few
+    return worker.accept_tokens(target, drafts, num_ctx, meta)
 
 
-@pytest.mark.parametrize("value,expected", [("0", 1), ("1", 2), ("2", 3), ("3", 4), ("7", 4), ("3.0", 4)])
+@pytest.mark.parametrize("value,expected", [("1", 2), ("2", 3), ("3", 4), ("7", 4), ("3.0", 4), ("0.0001", 1)])
 def test_integer_values_cap_at_k(monkeypatch, value, expected):
-    n = _accept(monkeypatch, value)
+    n = _accept(monkeypatch, value)[1]
     assert n[0] == 1  # context row untouched
     assert n[1:].tolist() == [expected, expected]
 
 
-def test_unset_means_strict(monkeypatch):
-    assert _accept(monkeypatch, None).tolist() == [1, 1, 1]
-    assert read_forced_num_accepted({}) is None
-    assert read_forced_num_accepted({ENV_VAR: "  "}) is None
+@pytest.mark.parametrize("value", [None, "", "  ", "0", "0.0", "-0"])
+def test_unset_empty_or_zero_means_off(monkeypatch, value):
+    # TensorRT-LLM semantics: 0 is "not forced", so strict acceptance decides (2 drafts right -> 3 tokens)
+    assert _accept(monkeypatch, value, first_drafts_right=2)[1].tolist() == [1, 3, 3]
+    assert read_forced_num_accepted({} if value is None else {ENV_VAR: value}) is None
 
 
-@pytest.mark.parametrize("garbage", ["abc", "-1", "nan", "inf"])
-def test_garbage_warns_and_means_zero(monkeypatch, garbage):
+@pytest.mark.parametrize("garbage", ["abc", "1,5", "-1", "nan", "inf"])
+def test_garbage_warns_and_means_off(monkeypatch, garbage):
     with pytest.warns(UserWarning, match=ENV_VAR):
-        assert read_forced_num_accepted({ENV_VAR: garbage}) == 0.0
-    with pytest.warns(UserWarning):
-        assert _accept(monkeypatch, garbage).tolist() == [1, 1, 1]
+        assert read_forced_num_accepted({ENV_VAR: garbage}) is None
+    with pytest.warns(UserWarning, match=ENV_VAR):
+        assert _accept(monkeypatch, garbage, first_drafts_right=1)[1].tolist() == [1, 2, 2]
+
+
+def test_forced_rows_hold_the_target_tokens_on_the_strict_path(monkeypatch):
+    tokens, n = _accept(monkeypatch, "3")  # every draft wrong, all K forced
+    target = torch.arange(1 + 2 * 4) % 8
+    assert n.tolist() == [1, 4, 4]
+    assert tokens[1:].tolist() == target[1:].view(2, 4).tolist()
+
+
+def _rejection_step(monkeypatch, value, k=3):
+    """One rejection-sampling step at T = 1 where every draft is rejected at once: the drafts (token 7) have
+    target probability 0 and token 0 is impossible too. Returns (new_tokens, num_accepted, strict targets)."""
+    _set_env(monkeypatch, value)
+    worker = _Worker(max_draft_len=k, use_rejection_sampling=True)
+    worker.allocate_state(num_slots=3, vocab_size=8, device=torch.device("cpu"))
+    worker.draft_probs[:, :, 7] = 1.0  # the drafts were drawn from a one-hot on token 7
+    meta = SpecMetadata(8, k, 8, "cpu")
+    meta.prepare([SamplingParams(temperature=1.0)] * 2, [])
+    logits = torch.zeros(2 * (k + 1), 8)
+    logits[:, [0, 7]] = float("-inf")
+    target = torch.tensor([3, 4, 5, 6, 2, 3, 4, 5])  # the step's strict target samples, one per row
+    drafts = torch.full((2, k), 7)
+    tokens, n = worker.accept_tokens(target, drafts, 0, meta, logits, torch.tensor([0, 1]))
+    return tokens, n, target.view(2, k + 1)
+
+
+def test_rejection_path_unforced_emits_one_correction(monkeypatch):
+    tokens, n, _ = _rejection_step(monkeypatch, None)
+    assert n.tolist() == [1, 1]
+    assert all(t not in (0, 7) for t in tokens[:, 0].tolist())
+
+
+def test_forced_rows_hold_the_target_tokens_on_the_rejection_path(monkeypatch):
+    tokens, n, target = _rejection_step(monkeypatch, "3")
+    assert n.tolist() == [4, 4]
+    assert all(t not in (0, 7) for t in tokens[:, 0].tolist())  # the correction, drawn from the target
+    assert tokens[:, 1:].tolist() == target[:, 1:].tolist()  # then the target's own samples, not token 0
 
 
 def test_fractional_value_frequency():

@@ -42,6 +42,13 @@ def test_more_requests_than_batch_slots_queue_up():
     check_lossless(target, model, PROMPTS, MAX_NEW)
 
 
+def test_six_layer_target_with_the_default_capture_layers():
+    target, head = tiny_pair("llama", num_layers=6)  # default capture layers (1, 2, 2)
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=5)
+    assert model.target._capture_ids == (1, 2, 2)
+    check_lossless(target, model, PROMPTS, MAX_NEW)
+
+
 def test_reduced_draft_vocabulary():
     target, head = tiny_pair("llama", draft_vocab_size=32)
     model = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=5)

@@ -20,11 +20,68 @@ def test_two_model_modes_refused_naming_supported(name):
         Mode.from_string(name).check_supported()
 
 
-def test_predicates():
-    assert Mode.MTP.is_mtp_one_model() and Mode.MTP.is_mtp_vanilla() and not Mode.MTP.is_mtp_eagle_one_model()
-    assert Mode.MTP_EAGLE_ONE_MODEL.is_mtp_one_model() and Mode.MTP_EAGLE_ONE_MODEL.is_mtp_eagle_one_model()
-    assert Mode.EAGLE3_ONE_MODEL.is_eagle3_one_model() and not Mode.EAGLE3_ONE_MODEL.is_mtp_one_model()
-    assert all(m.use_one_engine() and m.needs_kv_cache_rewind() for m in
-               (Mode.MTP, Mode.MTP_EAGLE_ONE_MODEL, Mode.EAGLE3_ONE_MODEL))
-    assert Mode.NONE.is_none() and not Mode.NONE.use_one_engine() and not Mode.NONE.needs_kv_cache_rewind()
-    assert not Mode.EAGLE3.use_one_engine()
+# Transcribed by hand, member by member, from TensorRT-LLM tensorrt_llm/_torch/speculative/interface.py at
+# commit b35ac1b64368513d215c57d2ed01d62d910df8da (its members are exactly ours, in this order).
+MEMBERS = ("MTP", "MTP_EAGLE", "MTP_EAGLE_ONE_MODEL", "EAGLE3", "EAGLE3_ONE_MODEL", "NGRAM", "DRAFT_TARGET",
+           "USER_PROVIDED", "SAVE_HIDDEN_STATES", "NONE", "AUTO")
+TRUTH = {
+    #                                     MTP MTP_E MTP_E1 E3 E3_1 NGRAM DT USER SAVE NONE AUTO
+    "is_mtp_one_model":                  "1   0     1      0  0    0     0  0    0    0    0",
+    "is_mtp_eagle_one_model":            "0   0     1      0  0    0     0  0    0    0    0",
+    "is_mtp_vanilla":                    "1   0     0      0  0    0     0  0    0    0    0",
+    "is_mtp_eagle":                      "0   1     0      0  0    0     0  0    0    0    0",
+    "is_eagle3":                         "0   0     0      1  0    0     0  0    0    0    0",
+    "is_eagle3_one_model":               "0   0     0      0  1    0     0  0    0    0    0",
+    "is_ngram":                          "0   0     0      0  0    1     0  0    0    0    0",
+    "is_draft_target":                   "0   0     0      0  0    0     1  0    0    0    0",
+    "is_user_provided":                  "0   0     0      0  0    0     0  1    0    0    0",
+    "is_save_hidden_states":             "0   0     0      0  0    0     0  0    1    0    0",
+    "is_none":                           "0   0     0      0  0    0     0  0    0    1    0",
+    "use_one_engine":                    "1   0     1      0  1    0     0  0    0    0    0",
+    "without_logits":                    "1   0     1      0  1    0     0  0    0    0    0",
+    "needs_kv_cache_rewind":             "1   0     1      0  1    1     0  0    0    0    0",
+    "support_overlap_scheduler":         "1   0     1      1  1    0     1  0    0    0    0",
+    "support_guided_decoder":            "0   1     0      1  0    1     1  1    1    1    0",
+    "support_capturable_guided_decoder": "1   0     1      0  1    0     0  0    0    0    0",
+    "has_draft_model":                   "0   1     0      1  0    0     1  0    0    0    0",
+    "needs_kv_cache_recompute":          "0   1     0      1  0    0     0  0    0    0    0",
+    "need_load_draft_weights":           "0   0     0      0  1    0     0  0    0    0    0",
+    "has_spec_decoder":                  "1   1     1      1  1    0     0  0    0    0    0",
+    "has_spec_drafter":                  "0   1     0      1  0    1     1  1    1    0    0",
+}
+# extend_ctx(multi-token-query attention, SM) for (True, 90), (True, 100), (False, 90), (False, 100)
+EXTEND_CTX = {"MTP": "0000", "MTP_EAGLE": "0011", "MTP_EAGLE_ONE_MODEL": "0000", "EAGLE3": "1011",
+              "EAGLE3_ONE_MODEL": "0000", "NGRAM": "1011", "DRAFT_TARGET": "1011", "USER_PROVIDED": "1011",
+              "SAVE_HIDDEN_STATES": "1011", "NONE": "1011", "AUTO": "1011"}
+
+
+def test_member_order_matches_tensorrt_llm():
+    assert tuple(m.name for m in Mode) == MEMBERS
+    assert [m.value for m in Mode] == list(range(1, 12))
+
+
+@pytest.mark.parametrize("predicate", sorted(TRUTH))
+def test_predicate_truth_table_matches_tensorrt_llm(predicate):
+    expected = {name: bit == "1" for name, bit in zip(MEMBERS, TRUTH[predicate].split())}
+    assert {m.name: getattr(m, predicate)() for m in Mode} == expected
+
+
+def test_has_draft_model_means_a_separate_draft_engine():
+    # the one-model modes carry their draft inside the target's forward: no separate draft model
+    assert not any(m.has_draft_model() for m in Mode.supported())
+
+
+def test_extend_ctx_truth_table():
+    for mode in Mode:
+        got = "".join(str(int(mode.extend_ctx(mtq, sm))) for mtq in (True, False) for sm in (90, 100))
+        assert got == EXTEND_CTX[mode.name], mode.name
+
+
+def test_attention_need_spec_dec_mode_truth_table():
+    flags = [(a, b, c, d) for a in (False, True) for b in (False, True) for c in (False, True) for d in (False, True)]
+    for mode in Mode:
+        for first, draft, mtq, chain in flags:
+            got = mode.attention_need_spec_dec_mode(first, draft, mtq, chain)
+            # one-model EAGLE-3 always; two-model EAGLE-3 only on the CDL first draft with TRT-LLM attention
+            expected = mode.name == "EAGLE3_ONE_MODEL" or (mode.name == "EAGLE3" and first and draft and mtq and chain)
+            assert got == expected, (mode.name, first, draft, mtq, chain)

@@ -101,6 +101,13 @@ def test_end_to_end_distribution_with_rejection_sampling(k, draft_vocab_size):
     assert stats["acceptance_rate_per_position"][0] > 0.05
 
 
+def test_end_to_end_distribution_with_request_seeds():
+    target, model = _model(3)
+    counts, stats = sample_pairs(model, 1.0, seed=6, request_seeds=True)
+    assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3
+    assert stats["acceptance_rate_per_position"][0] > 0.05
+
+
 def test_greedy_requests_keep_exact_verification():
     target, model = _model(3, max_batch_size=4)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 1, 2], [3, 3, 3]]

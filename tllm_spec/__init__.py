@@ -1,5 +1,6 @@
 """tllm_spec: TensorRT-LLM-style one-model speculative decoding (EAGLE-3, MTP) for Hugging Face causal LMs."""
-from .config import EngineConfig, Eagle3Config, MTPConfig, RunConfig, SamplingParams, load_run_config
+from .config import (EngineConfig, Eagle3Config, GuidedDecodingParams, MTPConfig, RunConfig, SamplingParams,
+                     load_run_config)
 from .metadata import SpecMetadata
 from .engine import GenerationOutputs
 from .modes import SpeculativeDecodingMode
@@ -14,6 +15,7 @@ __all__ = [
     "SpecModel",
     "Eagle3Config",
     "EngineConfig",
+    "GuidedDecodingParams",
     "MTPConfig",
     "RunConfig",
     "SamplingParams",

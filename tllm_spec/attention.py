@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from .kernels.kv_write import kv_write
 from .kernels.paged_attention import paged_attention
 from .kv_cache import KVCache
 
@@ -22,24 +23,28 @@ ATTN_IMPLEMENTATION = "tllm_spec"
 class AttentionMetadata:
     """Where one forward's tokens sit in the cache.
 
-    positions [N] int64; token_slots [N] int64 (block-table row per token); write_index [N] int64 (flat
-    page slot of each token's K/V). Host values, fixed when the step is built (never read back from the
-    device): ``context_lens``, the prompt lengths of the context requests, whose tokens come first and
-    attend only to themselves; ``max_kv_len``, a bound on positions + 1 (limits the reference's work).
+    positions [N] int64; token_slots [N] int64 (block-table row per token); write_slots [N] int64 or None
+    (the row each token's K/V is written through, when it differs from token_slots: the padding slot sends a
+    write to the scratch page). Host values, fixed when the step is built (never read back from the device):
+    ``context_lens``, the prompt lengths of the context requests, whose tokens come first and attend only to
+    themselves; ``max_kv_len``, a bound on positions + 1 (limits the reference's work);
+    ``tokens_per_request``, how many consecutive non-context tokens share a request (K+1 in a step's verify
+    rows, 1 in a draft pass): the GPU kernel reads each request's K/V once for all of them.
     """
 
     kv_cache: KVCache
     positions: torch.Tensor
     token_slots: torch.Tensor
-    write_index: torch.Tensor
     max_kv_len: int
     context_lens: tuple[int, ...] = ()
+    write_slots: torch.Tensor | None = None
+    tokens_per_request: int = 1
 
     @classmethod
     def build(cls, kv_cache: KVCache, token_slots: torch.Tensor, positions: torch.Tensor, max_kv_len: int,
-              context_lens: tuple[int, ...] = ()) -> AttentionMetadata:
-        write_index = kv_cache.write_index(token_slots, positions)
-        return cls(kv_cache, positions, token_slots, write_index, max_kv_len, tuple(context_lens))
+              context_lens: tuple[int, ...] = (), tokens_per_request: int = 1) -> AttentionMetadata:
+        return cls(kv_cache, positions, token_slots, max_kv_len, tuple(context_lens),
+                   tokens_per_request=tokens_per_request)
 
     @property
     def num_context_tokens(self) -> int:
@@ -56,23 +61,50 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
 
     On the GPU, context tokens (a whole prompt each, positions from 0) attend to their own prompt with
     dense causal attention on this forward's k, v, and the other tokens read the paged cache. On the CPU the
-    paged reference serves every token in one batched call (cheaper than a call per short prompt).
+    paged reference serves every token in one batched call (cheaper than a call per short prompt). Under
+    torch.compile the write and the paged attention are one custom op, opaque to Inductor.
     """
-    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.write_index, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.write_index, v.to(v_cache.dtype))
+    cache = meta.kv_cache
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
     num_ctx = meta.num_context_tokens
+    write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if num_ctx == 0 or not q.is_cuda:
-        return paged_attention(q.contiguous(), k_cache, v_cache, meta.kv_cache.block_tables, meta.token_slots,
-                               meta.positions, scale, meta.max_kv_len, sliding_window)
+        op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
+        query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
+        return op(q.contiguous(), k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
+                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
+    kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
     out[:num_ctx] = prefill_attention(q[:num_ctx], k[:num_ctx], v[:num_ctx], meta.context_lens, scale,
                                       sliding_window)
     if num_ctx < q.shape[0]:
-        out[num_ctx:] = paged_attention(q[num_ctx:].contiguous(), k_cache, v_cache, meta.kv_cache.block_tables,
+        out[num_ctx:] = paged_attention(q[num_ctx:].contiguous(), k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
-                                        meta.max_kv_len, sliding_window)
+                                        meta.max_kv_len, sliding_window, meta.tokens_per_request)
     return out
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, block_tables: torch.Tensor, token_slots: torch.Tensor,
+                     write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
+                     sliding_window: int, query_len: int) -> torch.Tensor:
+    """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
+    if write_slots is token_slots:  # the attention kernel writes the run's own K/V
+        return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                               sliding_window or None, query_len, new_kv=(k, v))
+    kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
+    return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                           sliding_window or None, query_len)
+
+
+_write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", write_and_attend,
+                                               mutates_args=("k_cache", "v_cache"))
+
+
+@_write_and_attend_op.register_fake
+def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
+      sliding_window, query_len):
+    return torch.empty_like(q)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,

@@ -129,14 +129,14 @@ def to_rows(points: list[Point]) -> list[dict]:
 
 
 _KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet")),
-                  ("paged attention (triton)", ("_paged_attention_kernel",)),
+                  ("paged attention + KV write (triton)", ("_paged_attention_kernel", "_kv_write_kernel")),
                   ("sampling (flashinfer)", ("sampling", "TopK", "flashinfer")),
                   ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
                   ("reduce / norm", ("reduce", "norm", "mean")))
 
 
-def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | None, steps: int = 8) -> dict:
-    """GPU kernel time of eager generation steps, grouped by kind, per step (compare with the graphed step)."""
+def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | None, steps: int = 20) -> dict:
+    """GPU kernel time of the graphed generation step (replays of the captured bucket graph), grouped by kind."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -145,16 +145,19 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
     else:
         os.environ[ENV_VAR] = str(forced)
     model.refresh_forced_acceptance()
-    runner, model.graph_runner = model.graph_runner, None  # eager: one kernel launch per op, all visible
-    try:
-        prompts = [list(range(1, prompt_len + 1))] * batch
-        params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
-        model.generate(prompts, params)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            stats = model.generate(prompts, params).stats
-    finally:
-        model.graph_runner = runner
-    num_steps = stats["decode_steps"] + 1  # + the context step, profiled too
+    if model.graph_runner is None:
+        raise ValueError("profile_step profiles the CUDA-graph step: build the model without enforce_eager")
+    prompts = [list(range(1, prompt_len + 1))] * batch
+    model.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # captures; fills the inputs
+    graph = model.graph_runner.graphs[(model.graph_runner.bucket(batch), *model.spec_metadata.variant)][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) * 1e3 / steps
     groups: dict[str, float] = {}
     top: list[tuple[float, int, str]] = []
     kernels = 0
@@ -163,23 +166,22 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
         if evt.device_type != DeviceType.CUDA or not us:
             continue
         kernels += evt.count
-        top.append((us / num_steps, evt.count // num_steps, evt.key[:90]))
-        name = evt.key
-        group = next((g for g, keys in _KERNEL_GROUPS if any(k.lower() in name.lower() for k in keys)),
+        top.append((us / steps, evt.count // steps, evt.key[:90]))
+        group = next((g for g, keys in _KERNEL_GROUPS if any(k.lower() in evt.key.lower() for k in keys)),
                      "elementwise / other")
-        groups[group] = groups.get(group, 0.0) + us / num_steps
+        groups[group] = groups.get(group, 0.0) + us / steps
     return {"mode": "eagle3" if model.max_draft_len else "none", "batch": batch, "forced_drafts": forced,
             "kernel_us_per_step": {g: round(v, 1) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
-            "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / num_steps,
+            "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / steps,
             "top_kernels": [{"us_per_step": round(us, 1), "calls_per_step": n, "name": name}
-                            for us, n, name in sorted(top, reverse=True)[:12]],
-            "eager_step_ms": stats["step_ms"]}
+                            for us, n, name in sorted(top, reverse=True)[:16]],
+            "graph_step_ms": step_ms}
 
 
 def format_profile(p: dict) -> str:
     lines = [f"profile {p['mode']} batch {p['batch']} forced {p['forced_drafts']}: "
              f"{p['total_kernel_us_per_step'] / 1e3:.2f} ms of kernels per step in {p['kernels_per_step']:.0f} "
-             f"launches (eager step {p['eager_step_ms']:.2f} ms)"]
+             f"launches (graph replay {p['graph_step_ms']:.2f} ms, profiler on)"]
     lines += [f"  {g:28s} {us / 1e3:7.3f} ms" for g, us in p["kernel_us_per_step"].items()]
     lines += [f"    {k['us_per_step'] / 1e3:7.3f} ms  x{k['calls_per_step']:<4d} {k['name']}" for k in p["top_kernels"]]
     return "\n".join(lines)

@@ -1,12 +1,14 @@
 """Typed, frozen configuration: sampling, speculative decoding (EAGLE-3 / MTP), engine, and YAML run files."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import demo
 from .modes import SpeculativeDecodingMode
 
 # A temperature below this is greedy (TensorRT-LLM's sentinel for "temperature disabled" is ~1e-5).
@@ -15,6 +17,40 @@ GREEDY_TEMPERATURE = 1e-4
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GuidedDecodingParams(_Frozen):
+    """A grammar the output must follow: exactly one of a JSON schema, a regular expression or a Lark grammar
+    (TensorRT-LLM's ``GuidedDecodingParams`` kinds). Compiled per request when it is admitted: a grammar the
+    backend refuses rejects that request only."""
+
+    json_schema: str | None = Field(None, description="JSON schema (a dict or its JSON text; stored as JSON text, "
+                                    "key order kept: it orders the properties); the output is one JSON value "
+                                    "valid under it")
+    regex: str | None = Field(None, description="the output matches this regular expression")
+    lark: str | None = Field(None, description="the output is a sentence of this Lark grammar")
+    json_whitespace_flexible: bool = Field(False, description="json_schema: allow any whitespace between JSON "
+                                           "tokens (default: compact separators, which small models cannot loop in "
+                                           "and whose forced tokens are drafted exactly)")
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_text(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"json_schema is not valid JSON ({err})") from None
+        if value is not None and not isinstance(value, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object (or true/false), got {type(value).__name__}")
+        return None if value is None else json.dumps(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> GuidedDecodingParams:
+        given = [name for name in ("json_schema", "regex", "lark") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, lark; got {given or 'none'}")
+        return self
 
 
 class SamplingParams(_Frozen):
@@ -27,6 +63,12 @@ class SamplingParams(_Frozen):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept; 1 = no limit")
     stop_token_ids: tuple[int, ...] = Field((), description="extra token ids that end the request (kept in the output)")
     ignore_eos: bool = Field(False, description="do not stop at the tokenizer's EOS")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="this request's own random stream: the same request "
+                             "with the same seed samples the same tokens whatever else is in the batch; None = "
+                             "the generate call's stream")
+    guided_decoding: GuidedDecodingParams | None = Field(
+        None, description="constrain the output to a grammar (needs the target's tokenizer and the 'guided' extra); "
+        "the request ends when the grammar is complete")
 
     @property
     def is_greedy(self) -> bool:
@@ -42,8 +84,8 @@ class Eagle3Config(_Frozen):
     eagle3_one_model: bool = Field(True, description="draft inside the target forward (the only mode run here)")
     eagle3_layers_to_capture: tuple[int, ...] | None = Field(
         None, description="0-based target decoder layers whose OUTPUT feeds the head (TensorRT-LLM convention: "
-        "output of layer i = residual stream entering layer i+1). None: the head's config, else "
-        "(1, L//2-1, L-4)")
+        "output of layer i = residual stream entering layer i+1); a repeated id feeds that layer to fc twice. "
+        "None: the head's config, else (1, L//2-1, L-4)")
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")
@@ -51,8 +93,9 @@ class Eagle3Config(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> Eagle3Config:
         layers = self.eagle3_layers_to_capture
-        if layers is not None and (len(layers) != 3 or len(set(layers)) != 3 or min(layers) < 0):
-            raise ValueError(f"eagle3_layers_to_capture must be 3 distinct non-negative layer ids, got {layers}")
+        if layers is not None and (len(layers) != 3 or min(layers) < 0):
+            raise ValueError(f"eagle3_layers_to_capture must be 3 non-negative layer ids (repeats allowed), "
+                             f"got {layers}")
         return self
 
     @property
@@ -71,7 +114,15 @@ class MTPConfig(_Frozen):
     mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
     mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")
     mtp_hidden_feedback: Literal["pre_norm", "post_norm"] = Field(
-        "pre_norm", description="MTP-Eagle: hidden fed to the next draft step, before or after shared_head.norm")
+        "post_norm", description="hidden handed to the next draft step / module: after shared_head.norm "
+        "(default: the input hnorm was trained on; TensorRT-LLM DeepseekV3MTP.forward returns "
+        "shared_head.norm(hidden_states, residual) and MTPEagleWorker feeds it back; SGLang deepseek_nextn and vLLM "
+        "since PR #45895 do the same) or the block output before it (what tllm_spec's shipped demo module was "
+        "trained with)")
+    mtp_layer_selection: Literal["first", "per_step"] = Field(
+        "first", description="MTP-Eagle: the module that drafts step k. 'first': module 0 for every step "
+        "(TensorRT-LLM MTPEagleWorker); 'per_step': module k mod num_nextn_predict_layers, each with its own KV "
+        "layer and shared_head (vLLM's spec_step_idx % num_mtp_layers, Step-3.5's round-robin MTP layers)")
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")
@@ -86,6 +137,8 @@ class MTPConfig(_Frozen):
     def _check(self) -> MTPConfig:
         if self.use_mtp_vanilla and self.max_draft_len not in (None, self.num_nextn_predict_layers):
             raise ValueError("max_draft_len: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
+        if self.use_mtp_vanilla and self.mtp_layer_selection != "first":
+            raise ValueError("mtp_layer_selection is an MTP-Eagle option (vanilla MTP runs module k for step k)")
         if self.use_relaxed_acceptance_for_thinking and (
                 self.begin_thinking_phase_token is None or self.end_thinking_phase_token is None):
             raise ValueError("begin_thinking_phase_token/end_thinking_phase_token are required with "
@@ -120,8 +173,22 @@ class EngineConfig(_Frozen):
                                   "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
-    compile_target: bool = Field(False, description="torch.compile the target's decoder layers (GPU; fuses the "
-                                 "norm/rotary/activation kernels around our attention, which stays eager)")
+    use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral) and "
+                                   "EAGLE-3 heads through tllm_spec's layers with fused q/k/v and gate/up GEMMs; "
+                                   "False: the stock HF modules")
+    compile_step: bool = Field(True, description="CUDA: torch.compile each CUDA-graph bucket's whole generation "
+                               "step (fused targets) or the decoder layers (stock modules); ignored on CPU and "
+                               "with enforce_eager")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) the target is split over; "
+                                      "launch with torchrun --nproc-per-node N (gloo on CPU); the draft is "
+                                      "replicated on every rank")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.tensor_parallel_size > 1 and not self.use_fused_layers:
+            raise ValueError("tensor_parallel_size > 1 needs use_fused_layers=True (the sharded layers are the "
+                             "fused ones)")
+        return self
 
 
 DEMO_TARGET, DEMO_MTP = "demo://target", "demo://mtp"
@@ -141,14 +208,19 @@ class RunConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _demo_mtp_module(cls, data: object) -> object:
-        """The demo target ships its MTP module beside it, not inside its checkpoint: point MTP there."""
+        """The demo target ships its MTP module beside it, not inside its checkpoint: point MTP there (with the
+        hidden feedback the module was trained with, unless the config names one)."""
         if not isinstance(data, dict) or data.get("target_model") not in (None, DEMO_TARGET):
             return data
         spec = data.get("spec_config")
         if isinstance(spec, MTPConfig) and spec.mtp_checkpoint is None:
-            return {**data, "spec_config": spec.model_copy(update={"mtp_checkpoint": DEMO_MTP})}
+            update = {"mtp_checkpoint": DEMO_MTP}
+            if "mtp_hidden_feedback" not in spec.model_fields_set:
+                update["mtp_hidden_feedback"] = demo.MTP_HIDDEN_FEEDBACK
+            return {**data, "spec_config": spec.model_copy(update=update)}
         if isinstance(spec, dict) and spec.get("decoding_type") == "mtp" and spec.get("mtp_checkpoint") is None:
-            return {**data, "spec_config": {**spec, "mtp_checkpoint": DEMO_MTP}}
+            return {**data, "spec_config": {"mtp_hidden_feedback": demo.MTP_HIDDEN_FEEDBACK, **spec,
+                                            "mtp_checkpoint": DEMO_MTP}}
         return data
 
 

@@ -1,4 +1,5 @@
-"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket.
+"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket and sampling
+variant (all-greedy argmax / sampled / sampled with request seeds, known on the host from the SamplingParams).
 
 Inputs live in one static int64 buffer (token ids, positions, slots, drafts), refilled by a single
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
@@ -8,12 +9,15 @@ one graph.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm.auto import tqdm
 
 from .attention import AttentionMetadata
 from .config import SamplingParams
+from .metadata import sampling_variant
 
 if TYPE_CHECKING:
     from .spec_model import SpecModel
@@ -45,33 +49,42 @@ class CUDAGraphRunner:
         max_tokens = self.buckets[-1] * (self.k + 1)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
         self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64).pin_memory()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket, variant
         self.pool = None
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def capture_all(self) -> None:
-        """Capture every bucket now (on all-padding inputs), so no step later pays for a capture."""
-        for size in self.buckets:
-            if size not in self.graphs:
-                self._fill([], [], [], [], [], size)
-                self.graphs[size] = self._capture(size)
+    @torch.inference_mode()
+    def capture_all(self, params: Sequence[SamplingParams] = (_DUMMY,), progress: bool = True) -> None:
+        """Capture every bucket now (on all-padding inputs) in each sampling variant a batch of ``params``
+        can take, so no step later pays for a capture. The first capture also pays for torch.compile
+        (Inductor's on-disk cache makes a second start quick)."""
+        examples = {sampling_variant([p]): p for p in params}  # a batch's variant is one of its requests'
+        todo = [(size, variant, example) for size in self.buckets for variant, example in examples.items()
+                if (size, *variant) not in self.graphs]
+        bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
+        for size, variant, example in bar:
+            bar.set_postfix_str(f"batch {size}")
+            self._fill([], [], [], [], [], size, pad_params=example)
+            self.graphs[(size, *variant)] = self._capture(size)
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
             params: list[SamplingParams]) -> torch.Tensor:
         """One generation-only step; returns the packed outputs [B, 2K+3] of the real requests."""
         size = self.bucket(len(params))
         self._fill(ids, positions, slots, drafts, params, size)
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, packed = self.graphs[size]
+        key = (size, *self.model.spec_metadata.variant)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(size)
+        graph, packed = self.graphs[key]
         graph.replay()
         return packed[:len(params)]
 
     def _fill(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
-              params: list[SamplingParams], size: int) -> None:
-        """Copy one step's inputs, padded to ``size`` requests, into the static buffers."""
+              params: list[SamplingParams], size: int, pad_params: SamplingParams = _DUMMY) -> None:
+        """Copy one step's inputs, padded to ``size`` requests (``pad_params``: greedy by default), into the
+        static buffers."""
         pad = size - len(params)
         tokens = size * (self.k + 1)
         pad_slot = self.model.kv_cache.padding_slot
@@ -79,15 +92,16 @@ class CUDAGraphRunner:
                 slots + [pad_slot] * (pad * (self.k + 1)), drafts + [0] * (pad * self.k + size))
         self.host_inputs[:, :tokens] = torch.tensor(rows, dtype=torch.int64)
         self.inputs[:, :tokens].copy_(self.host_inputs[:, :tokens], non_blocking=True)
-        self.model.spec_metadata.prepare(params + [_DUMMY] * pad, ())
+        self.model.spec_metadata.prepare(params + [pad_params] * pad, ())
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * (self.k + 1)
         ids, positions, slots = self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens]
         drafts = self.inputs[3, :size * self.k].view(size, self.k)
         kv = self.model.kv_cache
-        attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size)
-        return pack_outputs(self.model(ids, attn, drafts))
+        attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
+                                       tokens_per_request=self.k + 1)
+        return self.model.packed_forward(ids, attn, drafts)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so

@@ -17,6 +17,7 @@ from .config import SamplingParams
 from .request import AcceptanceStats, Request, RequestOutput
 
 if TYPE_CHECKING:
+    from .grammar import GrammarMatcher
     from .spec_model import SpecModel
 
 
@@ -27,10 +28,12 @@ class GenerationOutputs(list):
 
 
 class Engine:
-    """Runs requests to completion on a :class:`SpecModel`, batching up to ``max_batch_size`` at a time."""
+    """Runs requests to completion on a :class:`SpecModel`, batching up to ``max_batch_size`` at a time.
+    ``guided_error``: why guided decoding is unavailable (its requests are rejected), if it is."""
 
-    def __init__(self, model: SpecModel):
+    def __init__(self, model: SpecModel, guided_error: str | None = None):
         self.model = model
+        self.guided_error = guided_error
         self.kv = model.kv_cache
         self.k = model.max_draft_len
         self.max_seq_len = model.max_seq_len
@@ -41,11 +44,12 @@ class Engine:
         waiting: deque[Request] = deque()
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             error = self._validate(prompt, p)
+            matcher, error = self._grammar_matcher(p) if error is None and p.guided_decoding else (None, error)
             if error:
                 warnings.warn(f"request {i} rejected: {error}", stacklevel=3)
                 outputs[i] = RequestOutput(i, list(prompt), [], "rejected", AcceptanceStats(self.k), error=error)
             else:
-                waiting.append(self._new_request(i, prompt, p))
+                waiting.append(self._new_request(i, prompt, p, matcher))
         self.model.spec_metadata.reseed(seed)
         start, total = time.perf_counter(), AcceptanceStats(self.k)
         self.decode = DecodeTimer()
@@ -80,14 +84,26 @@ class Engine:
             return f"needs {pages} KV pages; the pool has {self.model.num_kv_pages - 1}"
         return None
 
+    def _grammar_matcher(self, p: SamplingParams) -> tuple[GrammarMatcher | None, str | None]:
+        """(the request's grammar matcher, None) or (None, why its grammar cannot be used)."""
+        guided = self.model.worker.guided_decoder
+        if guided is None:
+            return None, f"guided decoding unavailable: {self.guided_error}"
+        try:
+            return guided.matcher(p.guided_decoding), None
+        except ValueError as err:
+            return None, str(err)
+
     def _reserved_tokens(self, prompt_len: int, p: SamplingParams) -> int:
         # target writes up to K positions past the committed length; draft passes up to 2K - 1
         return min(prompt_len + p.max_new_tokens, self.max_seq_len) + 2 * self.k + 1
 
-    def _new_request(self, index: int, prompt: Sequence[int], p: SamplingParams) -> Request:
+    def _new_request(self, index: int, prompt: Sequence[int], p: SamplingParams,
+                     matcher: GrammarMatcher | None = None) -> Request:
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.model.eos_token_ids))
         return Request(index, [int(t) for t in prompt], p, frozenset(stop_ids),
-                       min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k))
+                       min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k),
+                       matcher=matcher)
 
     def _admit(self, waiting: deque[Request], num_running: int) -> list[Request]:
         """Move waiting requests in (FIFO) while batch slots and KV pages last."""
@@ -114,6 +130,9 @@ class Engine:
             positions += range(r.num_cached, r.num_cached + len(tokens))
             slots += [r.slot] * len(tokens)
         drafts = [t for r in batch if not r.is_context for t in r.next_input[1:]]
+        if self.model.worker.guided_decoder is not None:  # grammar masks for this step, filled before it runs
+            self.model.worker.guided_decoder.build([r.matcher for r in batch],
+                                                   [[] if r.is_context else r.next_input[1:] for r in batch])
         packed = self.model.step(ids, positions, slots, drafts, [r.params for r in batch],
                                  tuple(len(r.prompt) for r in contexts))
         launched = time.perf_counter()
@@ -128,7 +147,7 @@ class Engine:
                 r.stats.record(n)
             r.next_input = row[self.k + 2:]
             before = len(r.output)
-            r.append(row[:n])
+            r.accept(row[:n])
             bar.update(len(r.output) - before)
         if not contexts:
             done = time.perf_counter()

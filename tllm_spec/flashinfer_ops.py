@@ -1,8 +1,13 @@
-"""The one place flashinfer is imported: lazily, version-checked once, CUDA tensors only."""
+"""The one place flashinfer is imported: lazily, version-checked once, CUDA tensors only.
+
+Missing, unloadable or older than :data:`MIN_VERSION`: one warning, then the torch path everywhere.
+"""
 from __future__ import annotations
 
 import functools
+import re
 import types
+import warnings
 
 import torch
 
@@ -11,17 +16,28 @@ MIN_VERSION = (0, 7)
 
 @functools.cache
 def load_flashinfer() -> types.ModuleType | None:
-    """flashinfer if importable and new enough, else None (the torch path is used)."""
+    """flashinfer if importable and new enough, else None after one warning (the torch path is used)."""
     try:
         import flashinfer
         import flashinfer.sampling  # noqa: F401
-    except Exception:  # not installed, or its JIT runtime cannot load on this machine
-        return None
-    version = tuple(int(p) for p in flashinfer.__version__.split(".")[:2] if p.isdigit())
-    if version < MIN_VERSION:
-        raise ImportError(f"flashinfer {flashinfer.__version__} is too old; tllm_spec needs >= "
-                          f"{'.'.join(map(str, MIN_VERSION))}")
+    except Exception as err:  # not installed, or its JIT runtime cannot load on this machine
+        return _unusable(f"flashinfer cannot be imported ({type(err).__name__}: {err})")
+    version = getattr(flashinfer, "__version__", "")
+    if parse_version(version) < MIN_VERSION:
+        return _unusable(f"flashinfer {version or '(no version)'} is older than "
+                         f"{'.'.join(map(str, MIN_VERSION))}")
     return flashinfer
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``0.7.2.post1``; (0, 0) if there is none."""
+    match = re.match(r"\s*(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def _unusable(reason: str) -> None:
+    warnings.warn(f"{reason}; tllm_spec samples with its torch path on CUDA instead (slower)", stacklevel=3)
+    return None
 
 
 def available(device: torch.device) -> bool:

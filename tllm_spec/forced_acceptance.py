@@ -1,9 +1,18 @@
 """TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS: force how many drafts each generation request accepts.
 
-A debugging and benchmarking knob (TensorRT-LLM's): the value is the number of accepted *draft* tokens per
-step (the bonus token not counted), capped at K. A fractional part is the probability of accepting one
-more, drawn from device-resident counter-based state so it works inside a CUDA graph. This is the only
-environment variable that changes tllm_spec's behaviour, and this module is the only place that reads it.
+A debugging and benchmarking knob, read as TensorRT-LLM reads it: the value is the number of accepted *draft*
+tokens per generation request and step (the bonus token not counted), capped at K; unset, empty, ``0`` or an
+unparsable value mean "off" (strict / rejection acceptance decides), and an unparsable value warns. Negative and
+non-finite values are unparsable here (TensorRT-LLM would take them and misbehave). The accepted rows still
+hold the target's tokens: forcing changes how many rows count, never what they contain.
+
+Fractional values: the integer part is always accepted and the fractional part is the probability of accepting
+one more draft. TensorRT-LLM's recent one-model path reads fractions the same way (its two-model path and older
+revisions take integers only); our draws come from the device-resident counter-based stream of :mod:`rng`
+(seeded by the generate call, CUDA-graph safe) rather than TensorRT-LLM's fixed-seed lookup pool, so the
+individual draws differ. The lottery draws from the generate call's batch stream, also for requests with
+their own ``SamplingParams.seed``. This is the only environment variable that changes tllm_spec's behaviour,
+and this module is the only place that reads it.
 """
 from __future__ import annotations
 
@@ -20,9 +29,9 @@ _SALT = 0x5EED  # a stream of its own, apart from sampling's
 
 
 def read_forced_num_accepted(environ: dict[str, str] | None = None) -> float | None:
-    """The forced number of accepted drafts, or None when the variable is unset or empty.
+    """The forced number of accepted drafts, or None (off) when the variable is unset, empty or 0.
 
-    An unparsable or negative value warns and means 0 (every draft rejected).
+    An unparsable, negative or non-finite value warns and means off.
     """
     raw = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
     if not raw:
@@ -32,9 +41,9 @@ def read_forced_num_accepted(environ: dict[str, str] | None = None) -> float | N
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        warnings.warn(f"{ENV_VAR}={raw!r} is not a non-negative number; forcing 0 accepted drafts", stacklevel=2)
-        return 0.0
-    return value
+        warnings.warn(f"{ENV_VAR}={raw!r} is not a non-negative number; forced acceptance is off", stacklevel=2)
+        return None
+    return value or None
 
 
 def forced_num_accepted(forced: float, max_draft_len: int, num_rows: int, seed: torch.Tensor,

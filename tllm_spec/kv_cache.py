@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from .kernels.kv_write import flat_slot_index
+
 SCRATCH_PAGE = 0  # never handed out: unused block-table entries (and padding rows) point here
 
 
@@ -70,8 +72,7 @@ class KVCache:
 
     def write_index(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat index (page * page_size + offset) of each token's K/V. [N] int64 -> [N] int64, on device."""
-        pages = self.block_tables[token_slots, positions // self.page_size].to(torch.int64)
-        return pages * self.page_size + positions % self.page_size
+        return flat_slot_index(self.block_tables, token_slots, positions, self.page_size)
 
     def gather_request(self, layer: int, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one request's first ``num_tokens`` positions, [num_tokens, Hkv, D] each (tests, debugging)."""

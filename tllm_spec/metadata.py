@@ -5,7 +5,15 @@ from collections.abc import Sequence
 
 import torch
 
+from . import rng
 from .config import SamplingParams
+
+
+def sampling_variant(params: Sequence[SamplingParams]) -> tuple[bool, bool]:
+    """(all greedy, some sampled request has its own seed): the host-side facts that pick a step's sampling
+    code (argmax only / batch-stream sampler / per-row streams on the torch sampler)."""
+    sampled = [p for p in params if not p.is_greedy]
+    return not sampled, any(p.seed is not None for p in sampled)
 
 
 class SpecMetadata:
@@ -15,6 +23,13 @@ class SpecMetadata:
     Buffers are allocated once for ``max_num_requests`` and refilled in place by :meth:`prepare`, so a
     captured CUDA graph keeps reading the right memory. Greedy requests get ``T = 1, top_k = 1, top_p = 1``
     (the sampler returns their exact argmax); disabled top-k is the vocabulary size, disabled top-p is 1.
+
+    Random streams: rows draw from the batch stream (``seed``, ``offset``: advanced in place after every
+    draw) unless their request has ``SamplingParams.seed``. Such a row draws from its own stream keyed by
+    (request seed, counter); the counter is ``L0 * (K+1) + j``, L0 the position of the request's first token
+    in the step (strictly increasing from step to step) and j the row (or draft step) within the request —
+    nothing that depends on the rest of the batch. The host-side flags ``all_greedy`` and
+    ``has_request_seeds`` are set by :meth:`prepare` from the SamplingParams, without reading the device.
     """
 
     def __init__(self, max_num_requests: int, max_draft_len: int, vocab_size: int, device: torch.device | str):
@@ -27,12 +42,23 @@ class SpecMetadata:
         self.gather_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [R] int64 flat token index
         self.seed = torch.zeros(1, dtype=torch.int64, device=device)  # [1] int64, advanced in place
         self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # [1] int64
+        self.seed_per_row = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [R] request seed, 0 if none
+        self.seeded_rows = torch.zeros(max_rows, dtype=torch.bool, device=device)  # [R] request has a seed
+        self.row_positions = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [R] token position per row
         self.num_context_requests = 0
         self.num_generation_requests = 0
+        self._prepared: tuple[list[SamplingParams], tuple[int, ...]] = ([], ())  # what the rows hold now
+        self.all_greedy = True
+        self.has_request_seeds = False
 
     @property
     def num_rows(self) -> int:
         return self.num_context_requests + self.num_generation_requests * (self.max_draft_len + 1)
+
+    @property
+    def variant(self) -> tuple[bool, bool]:
+        """(all_greedy, has_request_seeds) of the prepared step: what a captured CUDA graph is keyed by."""
+        return self.all_greedy, self.has_request_seeds
 
     def reseed(self, seed: int) -> None:
         self.seed.fill_(seed % 2**31)
@@ -44,23 +70,32 @@ class SpecMetadata:
         context_lens: prompt tokens of each context request this step (their tokens come first in the flat
         token layout, generation requests' K+1 tokens after).
         """
+        if self._holds(params, context_lens):
+            return  # a steady batch: the rows are already there (no host work, no copies)
+        self._prepared = (list(params), tuple(context_lens))
         num_ctx, rows_per_gen = len(context_lens), self.max_draft_len + 1
         self.num_context_requests, self.num_generation_requests = num_ctx, len(params) - num_ctx
-        repeats = [1] * num_ctx + [rows_per_gen] * self.num_generation_requests
-        temps, top_ks, top_ps = [], [], []
-        for p, rep in zip(params, repeats):
-            temp, top_k, top_p = _row_values(p, self.vocab_size)
-            temps += [temp] * rep
-            top_ks += [top_k] * rep
-            top_ps += [top_p] * rep
+        self.all_greedy, self.has_request_seeds = sampling_variant(params)
+        repeats = torch.tensor([1] * num_ctx + [rows_per_gen] * self.num_generation_requests, dtype=torch.int64)
+        columns = list(zip(*(_row_values(p, self.vocab_size) for p in params))) or [()] * len(_ROW_DTYPES)
+        temps, top_ks, top_ps, seeds, seeded = (torch.tensor(c, dtype=dtype).repeat_interleave(repeats)
+                                                for c, dtype in zip(columns, _ROW_DTYPES))
         ends_ctx = torch.tensor(context_lens, dtype=torch.int64).cumsum(0) - 1
         gen_start = int(sum(context_lens))
         gen_ids = torch.arange(gen_start, gen_start + self.num_generation_requests * rows_per_gen)
         rows = self.num_rows
-        self.temperatures[:rows].copy_(torch.tensor(temps, dtype=torch.float32), non_blocking=True)
-        self.top_ks[:rows].copy_(torch.tensor(top_ks, dtype=torch.int32), non_blocking=True)
-        self.top_ps[:rows].copy_(torch.tensor(top_ps, dtype=torch.float32), non_blocking=True)
+        self.temperatures[:rows].copy_(temps, non_blocking=True)
+        self.top_ks[:rows].copy_(top_ks, non_blocking=True)
+        self.top_ps[:rows].copy_(top_ps, non_blocking=True)
         self.gather_ids[:rows].copy_(torch.cat([ends_ctx, gen_ids]), non_blocking=True)
+        if self.has_request_seeds:
+            self.seed_per_row[:rows].copy_(seeds, non_blocking=True)
+            self.seeded_rows[:rows].copy_(seeded, non_blocking=True)
+
+    def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int]) -> bool:
+        held, held_lens = self._prepared
+        return (tuple(context_lens) == held_lens and len(params) == len(held)
+                and all(a is b for a, b in zip(params, held)))
 
     def first_rows(self) -> torch.Tensor:
         """Index of each request's first row (context: its only row; generation: its K+1 block). [B] int64."""
@@ -74,9 +109,56 @@ class SpecMetadata:
         rows = self.num_rows
         return self.temperatures[:rows], self.top_ks[:rows], self.top_ps[:rows]
 
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """Keep each row's token position, the counter of per-request streams. positions [T] int64 (the
+        step's flat token positions). Only steps with request seeds need it."""
+        if self.has_request_seeds:
+            rows = self.num_rows
+            self.row_positions[:rows].copy_(positions[self.gather_ids[:rows]])
 
-def _row_values(p: SamplingParams, vocab_size: int) -> tuple[float, int, float]:
+    def target_streams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seed, offset) for one draw over this step's R rows: the batch stream ([1], [1]; the sampler
+        advances it) when no request has a seed, else per row ([R], [R]; the batch stream advanced here)."""
+        if not self.has_request_seeds:
+            return self.seed, self.offset
+        rows = self.num_rows
+        device = self.row_positions.device
+        gen_rows = torch.arange(rows - self.num_context_requests, device=device) % (self.max_draft_len + 1)
+        within = torch.cat([torch.zeros(self.num_context_requests, dtype=torch.int64, device=device), gen_rows])
+        step_start = self.row_positions[:rows] - within  # L0 of the row's request
+        return self._row_streams(torch.arange(rows, device=device), step_start * (self.max_draft_len + 1) + within)
+
+    def draft_streams(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seed, offset) for draft step ``step``, one row per request ([1] or [B]; as :meth:`target_streams`)."""
+        if not self.has_request_seeds:
+            return self.seed, self.offset
+        first = self.first_rows()
+        return self._row_streams(first, self.row_positions[first] * (self.max_draft_len + 1) + step)
+
+    def generation_streams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seed, offset) for the rejection sampler, one row per generation request ([1] or [G])."""
+        if not self.has_request_seeds:
+            return self.seed, self.offset
+        first = self.first_rows()[self.num_context_requests:]
+        return self._row_streams(first, self.row_positions[first] * (self.max_draft_len + 1))
+
+    def _row_streams(self, rows: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeded rows: (request seed, counter); the others: (batch seed, -1 - index), a stream apart from any
+        counter. Then the batch stream moves on, as after any draw from it. rows, counters [N] -> [N], [N]."""
+        seeded = self.seeded_rows[rows]
+        seed = torch.where(seeded, self.seed_per_row[rows], self.seed)
+        batch_offset = self.offset - 1 - torch.arange(rows.shape[0], device=rows.device)
+        offset = torch.where(seeded, counters, batch_offset)
+        rng.advance(self.seed)
+        return seed, offset
+
+
+_ROW_DTYPES = (torch.float32, torch.int32, torch.float32, torch.int64, torch.bool)
+
+
+def _row_values(p: SamplingParams, vocab_size: int) -> tuple[float, int, float, int, bool]:
+    """(temperature, top_k, top_p, seed, has a seed) of one request's rows; greedy rows need no seed."""
     if p.is_greedy:
-        return 1.0, 1, 1.0
+        return 1.0, 1, 1.0, 0, False
     top_k = vocab_size if p.top_k == 0 else min(p.top_k, vocab_size)
-    return p.temperature, top_k, p.top_p
+    return p.temperature, top_k, p.top_p, p.seed or 0, p.seed is not None

@@ -1,4 +1,13 @@
-"""SpeculativeDecodingMode: the TensorRT-LLM mode names, and which of them this package runs."""
+"""SpeculativeDecodingMode: the TensorRT-LLM mode names and predicates, and which modes this package runs.
+
+The predicates reproduce ``SpeculativeDecodingMode`` of TensorRT-LLM's
+``tensorrt_llm/_torch/speculative/interface.py`` at commit b35ac1b64368 (the revision whose members are exactly
+these eleven) with identical truth tables. Later TensorRT-LLM revisions add members (SA, PARD, DFLASH, DSPARK,
+DRAFT_TARGET_ONE_MODEL) and, over these eleven, differ in ``support_overlap_scheduler`` (MTP_EAGLE becomes True),
+``has_spec_drafter`` (SAVE_HIDDEN_STATES becomes False) and the arguments of ``extend_ctx`` /
+``attention_need_spec_dec_mode``. tllm_spec's own predicates carry names TensorRT-LLM does not use
+(:meth:`supported`, :meth:`check_supported`).
+"""
 from __future__ import annotations
 
 from enum import IntEnum, auto
@@ -38,10 +47,11 @@ class SpeculativeDecodingMode(IntEnum):
 
     @classmethod
     def supported(cls) -> tuple[SpeculativeDecodingMode, ...]:
+        """The modes tllm_spec runs (not a TensorRT-LLM predicate)."""
         return (cls.EAGLE3_ONE_MODEL, cls.MTP, cls.MTP_EAGLE_ONE_MODEL, cls.NONE)
 
     def check_supported(self) -> SpeculativeDecodingMode:
-        """Return self, or raise naming the modes this package runs."""
+        """Return self, or raise naming the modes this package runs (not a TensorRT-LLM predicate)."""
         if self not in self.supported():
             names = ", ".join(m.name for m in self.supported())
             raise NotImplementedError(
@@ -67,18 +77,100 @@ class SpeculativeDecodingMode(IntEnum):
     def is_eagle3_one_model(self) -> bool:
         return self is SpeculativeDecodingMode.EAGLE3_ONE_MODEL
 
+    def is_ngram(self) -> bool:
+        return self is SpeculativeDecodingMode.NGRAM
+
+    def is_user_provided(self) -> bool:
+        return self is SpeculativeDecodingMode.USER_PROVIDED
+
     def is_none(self) -> bool:
         return self is SpeculativeDecodingMode.NONE
+
+    def is_draft_target(self) -> bool:
+        return self is SpeculativeDecodingMode.DRAFT_TARGET
+
+    def is_save_hidden_states(self) -> bool:
+        return self is SpeculativeDecodingMode.SAVE_HIDDEN_STATES
 
     def use_one_engine(self) -> bool:
         """Draft and target run in one model forward."""
         return self.is_eagle3_one_model() or self.is_mtp_one_model()
 
+    def without_logits(self) -> bool:
+        """The model's forward returns the speculative outputs rather than logits for an external sampler."""
+        return self.is_mtp_one_model() or self.is_eagle3_one_model()
+
     def needs_kv_cache_rewind(self) -> bool:
-        """Rejected drafts leave KV entries behind that the engine rewinds (by length)."""
-        return self.use_one_engine() or self in (SpeculativeDecodingMode.EAGLE3, SpeculativeDecodingMode.MTP_EAGLE,
-                                                 SpeculativeDecodingMode.NGRAM, SpeculativeDecodingMode.DRAFT_TARGET)
+        """Rejected drafts leave target KV entries behind that the engine rewinds (here: by length)."""
+        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_ngram()
+
+    def support_overlap_scheduler(self) -> bool:
+        if self.is_mtp_eagle():  # TensorRT-LLM: "TODO: fix accuracy issue"
+            return False
+        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.has_draft_model()
+
+    def support_guided_decoder(self) -> bool:
+        return self.is_none() or self.has_spec_drafter()
+
+    def support_capturable_guided_decoder(self) -> bool:
+        return self.is_mtp_one_model() or self.is_eagle3_one_model()
 
     def has_draft_model(self) -> bool:
-        """A draft network (EAGLE-3 head or MTP modules) is loaded."""
-        return self.use_one_engine()
+        """A *separate* draft model engine (two-model modes). False for the one-model modes, whose draft
+        network lives inside the target's forward."""
+        return self.is_eagle3() or self.is_draft_target() or self.is_mtp_eagle()
+
+    def needs_kv_cache_recompute(self) -> bool:
+        """The first draft forward recomputes the draft KV of the accepted tokens (two-model EAGLE-3 / MTP)."""
+        return self.is_eagle3() or self.is_mtp_eagle()
+
+    def need_load_draft_weights(self) -> bool:
+        """Draft and target share one model engine and the draft's weights come from a separate checkpoint."""
+        return self.is_eagle3_one_model()
+
+    def has_spec_decoder(self) -> bool:
+        return self.is_mtp_one_model() or self.is_mtp_eagle() or self.is_eagle3() or self.is_eagle3_one_model()
+
+    def has_spec_drafter(self) -> bool:
+        return (self.is_eagle3() or self.is_draft_target() or self.is_ngram() or self.is_user_provided()
+                or self.is_mtp_eagle() or self.is_save_hidden_states())
+
+    def extend_ctx(self, multi_token_query_attention: bool = True, sm_version: int | None = None) -> bool:
+        """Treat generation requests with drafts as chunked context requests at the kernel level.
+
+        TensorRT-LLM takes ``attention_backend`` (a class); ``multi_token_query_attention`` stands for
+        ``issubclass(attention_backend, TrtllmAttention)``, i.e. a kernel that runs a generation request's
+        K+1 tokens as one multi-token query (tllm_spec's own attention is one, hence the default).
+        ``sm_version`` is TensorRT-LLM's ``get_sm_version()`` (None: read from the current CUDA device, 0
+        without one).
+        """
+        if self.use_one_engine():
+            return False  # one-model handles draft tokens itself
+        if multi_token_query_attention and self.is_mtp_eagle():
+            return False  # TRT-LLM: its MLA kernel does not work in chunked-context mode
+        return not multi_token_query_attention or _sm_version(sm_version) != 100
+
+    def attention_need_spec_dec_mode(self, is_first_draft: bool, is_draft_model: bool,
+                                     multi_token_query_attention: bool = True, use_chain_drafter: bool = False,
+                                     is_spec_dec_tree: bool = False) -> bool:
+        """The attention kernel runs in spec-dec (multi-token query) mode.
+
+        TensorRT-LLM's arguments are ``(spec_resource_manager, is_draft_model, attention_backend,
+        use_chain_drafter, is_spec_dec_tree)``: ``is_first_draft`` stands for
+        ``spec_resource_manager.is_first_draft`` and ``multi_token_query_attention`` for
+        ``issubclass(attention_backend, TrtllmAttention)``. ``is_spec_dec_tree`` is unused there too.
+        """
+        return self.is_eagle3_one_model() or (
+            self.is_eagle3() and is_first_draft and multi_token_query_attention and use_chain_drafter
+            and is_draft_model)
+
+
+def _sm_version(sm_version: int | None) -> int:
+    if sm_version is not None:
+        return sm_version
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor

@@ -14,6 +14,7 @@ from .drafts.eagle3_checkpoint import Eagle3Checkpoint, random_eagle3_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
+DRAFT_VOCAB_SIZE = 32000  # EAGLE-3 heads for Llama-3.1-8B / Qwen3-8B (e.g. EAGLE3-LLaMA3.1-Instruct-8B)
 SHAPES = {
     "tiny": TINY,
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -21,6 +22,9 @@ SHAPES = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
                          rope_theta=500000.0),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
+                          rope_theta=500000.0),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, vocab_size=151936,
                      rope_theta=1000000.0),
@@ -67,16 +71,22 @@ def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = 
 def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
                       device: str, seed: int = 0, **engine_kwargs):
     """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
-    "eagle3" (a random head written to ``workdir`` and loaded through the real loader) or "none"."""
+    "eagle3" (a random head written to ``workdir`` and loaded through the real loader) or "none". With
+    ``tensor_parallel_size=N`` in ``engine_kwargs`` (under torchrun) each rank draws only its shards."""
     from .config import Eagle3Config
+    from .parallel import TensorParallel, local_process_device
     from .spec_model import SpecModel
     from .target import TargetModel
 
     config = AutoConfig.for_model("llama" if shape != "qwen3-8b" else "qwen3", **SHAPES[shape])
-    target = TargetModel.from_config(config, dtype, device, seed)
+    tp_size = engine_kwargs.get("tensor_parallel_size", 1)
+    parallel = TensorParallel.setup(tp_size, torch.device(device)) if tp_size > 1 else None
+    device = local_process_device(torch.device(device)) if parallel else device
+    target = TargetModel.from_config(config, dtype, device, seed, parallel)
     spec_config = None
-    if spec == "eagle3":
-        head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1)
+    if spec == "eagle3":  # the released heads of 8B-class targets draft over 32000 tokens (a d2t-mapped subset)
+        head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1,
+                                draft_vocab_size=min(config.vocab_size, DRAFT_VOCAB_SIZE))
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len)
     elif spec != "none":
         raise ValueError(f"spec must be 'eagle3' or 'none', got {spec!r}")

@@ -19,7 +19,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     """target_probs [G, K+1, V] f32 (the processed distributions of the K+1 verify rows); draft_probs
     [G, K, V] f32 (the distributions the drafts were sampled from, full vocabulary); draft_tokens [G, K].
     Returns (tokens [G, K+1] int64: accepted drafts then the correction/bonus, rest 0; num_accepted [G]
-    int64, the emitted count, bonus included). seed is advanced in place."""
+    int64, the emitted count, bonus included). seed, offset: [1] int64, the batch stream (seed advanced in
+    place), or [G] int64 per-request streams (torch path only: pass use_flashinfer=False)."""
     if use_flashinfer and flashinfer_ops.available(target_probs.device):
         tokens, _, _ = flashinfer_ops.chain_speculative_sampling(draft_probs, draft_tokens, target_probs, seed,
                                                                  offset)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .config import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import GrammarMatcher
 
 
 @dataclass
@@ -50,7 +54,8 @@ class AcceptanceStats:
 
 @dataclass
 class RequestOutput:
-    """What generate() returns per prompt. ``finish_reason``: "stop", "length" or "rejected" (see ``error``)."""
+    """What generate() returns per prompt. ``finish_reason``: "stop" (a stop token, or the request's grammar is
+    complete), "length", "rejected" or "error" (see ``error``)."""
 
     index: int
     prompt_token_ids: list[int]
@@ -76,6 +81,7 @@ class Request:
     next_input: list[int] = field(default_factory=list)  # [last token, K drafts] for the next step
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    matcher: GrammarMatcher | None = None  # the request's grammar state (guided decoding), advanced on the host
 
     @property
     def is_context(self) -> bool:
@@ -92,5 +98,17 @@ class Request:
             if self.finish_reason:
                 return
 
+    def accept(self, tokens: list[int]) -> None:
+        """Append a step's accepted tokens, first following them through the grammar (which may end the request
+        at its completion)."""
+        grammar_finish = None
+        if self.matcher is not None:
+            tokens, grammar_finish = self.matcher.advance(tokens)
+        self.append(tokens)
+        self.finish_reason = self.finish_reason or grammar_finish
+
     def to_output(self, text: str | None) -> RequestOutput:
-        return RequestOutput(self.index, self.prompt, self.output, self.finish_reason or "length", self.stats, text)
+        error = "an accepted token broke the grammar (forced or relaxed acceptance)" \
+            if self.finish_reason == "error" else None
+        return RequestOutput(self.index, self.prompt, self.output, self.finish_reason or "length", self.stats, text,
+                             error)

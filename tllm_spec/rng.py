@@ -2,8 +2,15 @@
 
 Every draw is a pure function of (seed, offset, salt, element index), so it needs no host RNG state,
 works inside a CUDA graph (the tensors are read on the device) and is identical on CPU and GPU.
+
+Two layouts: ``seed``/``offset`` of shape [1] make one stream over the whole draw (element index = flat
+index; the batch stream); of shape [R] (R = ``shape[0]``) one stream per row (element index = index within
+the row), so a row's numbers do not depend on which other rows are drawn with it — what per-request seeds
+need. With one row the two coincide.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -22,13 +29,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform(seed: torch.Tensor, offset: torch.Tensor, shape: tuple[int, ...], salt: int = 0) -> torch.Tensor:
     """Uniform floats in (0, 1), float32, of ``shape``, on ``seed``'s device.
 
-    seed, offset: [1] int64 device tensors. ``salt`` separates independent streams of one step.
+    seed, offset: [1] int64 (one stream) or [shape[0]] int64 (one stream per row), device tensors.
+    ``salt`` separates independent streams of one step.
     """
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    index = torch.arange(numel, device=seed.device, dtype=torch.int64)
-    key = _mix32(_mix32(seed * 0x9E3779B1 + salt) ^ _mix32(offset + 0x632BE5AB))
+    per_key = math.prod(shape[1:]) if seed.numel() > 1 or offset.numel() > 1 else math.prod(shape)
+    index = torch.arange(per_key, device=seed.device, dtype=torch.int64)[None]  # [1, N]
+    folded = seed ^ (seed >> 32)  # 63-bit request seeds: the high half counts too (a no-op below 2**32)
+    key = _mix32(_mix32(folded * 0x9E3779B1 + salt) ^ _mix32(offset + 0x632BE5AB)).view(-1, 1)  # [1 or R, 1]
     bits = _mix32(index * 0x85EBCA6B ^ key)
     bits = _mix32(bits + (index >> 32))
     # 23 random bits, centred in their bucket: exactly representable, never 0 or 1 in float32.

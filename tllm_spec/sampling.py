@@ -3,6 +3,10 @@
 Rows are in the flat layout of :class:`tllm_spec.metadata.SpecMetadata`. Greedy rows carry
 ``temperature = 1, top_k = 1, top_p = 1`` and get the exact argmax in the same, branch-free call.
 The torch path (:func:`sample_ref`) is the CPU path and the oracle of the FlashInfer path.
+
+Per-row random streams (seed/offset of shape [R], for requests with their own seed) need the torch path:
+FlashInfer 0.7 reads per-row seed/offset tensors, but seeds its Philox generator with the row's index in
+the batch as subsequence, so a request's draws would still depend on where it sits in the batch.
 """
 from __future__ import annotations
 
@@ -19,12 +23,13 @@ def sanitize_top_ks(top_ks: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-           seed: torch.Tensor, offset: torch.Tensor, use_flashinfer: bool = True) -> torch.Tensor:
+           seed: torch.Tensor, offset: torch.Tensor, use_flashinfer: bool = True, salt: int = 0) -> torch.Tensor:
     """Sample one token per row. logits [R, V]; temperatures [R] f32; top_ks [R] int32; top_ps [R] f32;
-    seed, offset [1] int64 (seed advanced in place). Returns [R] int64."""
+    seed, offset [1] int64 (the batch stream; seed advanced in place) or [R] int64 (per-row streams: pass
+    use_flashinfer=False); salt tells the draws of one step apart (torch path). Returns [R] int64."""
     if use_flashinfer and flashinfer_ops.available(logits.device):
         return sample_flashinfer(logits, temperatures, top_ks, top_ps, seed, offset)
-    return sample_ref(logits, temperatures, top_ks, top_ps, seed, offset)
+    return sample_ref(logits, temperatures, top_ks, top_ps, seed, offset, salt)
 
 
 def sample_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
@@ -38,14 +43,16 @@ def sample_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: 
 
 
 def sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-               seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+               seed: torch.Tensor, offset: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """Torch path of :func:`sample`: top-k first, then top-p on the renormalised rest, then an
-    exponential race (argmax p / E, E ~ Exp(1)) which draws exactly from the kept distribution."""
+    exponential race (argmax p / E, E ~ Exp(1)) which draws exactly from the kept distribution.
+
+    The noise is indexed by token id, not by rank, so a row's draw depends only on its own stream."""
     num_rows, vocab_size = logits.shape
     top_ks = sanitize_top_ks(top_ks, vocab_size)
     probs, order = filtered_sorted_probs(logits, temperatures, top_ks, top_ps)
-    exp_noise = -torch.log(rng.uniform(seed, offset, (num_rows, vocab_size)))
-    choice = (probs / exp_noise).argmax(-1, keepdim=True)
+    exp_noise = -torch.log(rng.uniform(seed, offset, (num_rows, vocab_size), salt))
+    choice = (probs / exp_noise.gather(-1, order)).argmax(-1, keepdim=True)
     sampled = order.gather(-1, choice).squeeze(-1)
     rng.advance(seed)
     return torch.where(top_ks == 1, logits.argmax(-1), sampled)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,9 +17,12 @@ from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
 from .cuda_graphs import CUDAGraphRunner, pack_outputs
 from .engine import Engine, GenerationOutputs
 from .forced_acceptance import read_forced_num_accepted
+from .grammar import GrammarCompiler
+from .guided import GuidedDecoder
 from .kv_cache import KVCache
 from .metadata import SpecMetadata
 from .modes import SpeculativeDecodingMode
+from .parallel import TensorParallel, broadcast_from_first, local_process_device
 from .target import TargetModel
 from .tokenizer import load_tokenizer
 from .workers.base import SpecWorkerBase
@@ -46,9 +50,14 @@ class SpecModel(nn.Module):
         self.kv_cache = self._make_kv_cache()
         worker.allocate_state(self.max_batch_size + 1, target.vocab_size, self.device)  # + the padding slot
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
-        if engine_config.compile_target and self.device.type == "cuda":
-            target.compile_layers()
+        if engine_config.use_fused_layers:
+            max_positions = self.max_seq_len + 2 * self.max_draft_len + 2
+            target.fuse(max_positions)
+            worker.fuse(max_positions)
         use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
+        if use_graphs and engine_config.compile_step:
+            target.compile()
+            worker.compile()
         self.graph_runner = CUDAGraphRunner(self) if use_graphs else None
 
     @classmethod
@@ -57,19 +66,29 @@ class SpecModel(nn.Module):
                         engine_config: EngineConfig | None = None, **engine_kwargs) -> SpecModel:
         """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft.
 
-        ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``).
+        ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``). With
+        ``tensor_parallel_size=N`` every one of the N ranks (``torchrun --nproc-per-node N``) makes this call
+        and loads its shard of the target and a whole copy of the draft.
         """
+        engine_config = _engine_config(engine_config, engine_kwargs)
         device = _resolve_device(device)
+        parallel = _tensor_parallel(engine_config, spec_config, device)
+        device = local_process_device(device) if parallel else device
         target_dir = demo.resolve(target_dir)
-        target = TargetModel.load(target_dir, _resolve_dtype(dtype, device), device)
-        return cls.from_target(target, spec_config, engine_config, load_tokenizer(target_dir), **engine_kwargs)
+        target = TargetModel.load(target_dir, _resolve_dtype(dtype, device), device, parallel)
+        return cls.from_target(target, spec_config, engine_config, load_tokenizer(target_dir))
 
     @classmethod
     def from_target(cls, target: TargetModel, spec_config: Eagle3Config | MTPConfig | None = None,
                     engine_config: EngineConfig | None = None, tokenizer=None, **engine_kwargs) -> SpecModel:
         """Wrap an already loaded (or randomly initialised) target and load the draft for it."""
-        engine_config = EngineConfig.model_validate({**(engine_config or EngineConfig()).model_dump(),
-                                                     **engine_kwargs})
+        engine_config = _engine_config(engine_config, engine_kwargs)
+        tp_size = target.parallel.size if target.parallel else 1
+        if engine_config.tensor_parallel_size != tp_size:
+            raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but the target is split "
+                             f"over {tp_size} ranks")
+        if tp_size > 1:
+            _check_tp_spec(spec_config)
         dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
         mode = spec_config.spec_dec_mode if spec_config is not None else SpeculativeDecodingMode.NONE
         if mode.is_eagle3_one_model():
@@ -93,6 +112,22 @@ class SpecModel(nn.Module):
         if self.graph_runner is not None:
             self.graph_runner = CUDAGraphRunner(self)
 
+    def enable_guided_decoding(self) -> str | None:
+        """Give the worker a guided decoder (once; captured graphs are dropped so that they mask the logits).
+        Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
+        if self.worker.guided_decoder is not None:
+            return None
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        try:
+            compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size,
+                                       eos if eos is not None else next(iter(self.eos_token_ids), None))
+        except (ImportError, ValueError) as err:
+            return str(err)
+        self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device))
+        if self.graph_runner is not None:
+            self.graph_runner = CUDAGraphRunner(self)
+        return None
+
     @property
     def device(self) -> torch.device:
         return self.target.lm_head.weight.device
@@ -104,10 +139,20 @@ class SpecModel(nn.Module):
         input_ids [T] int64 in the flat layout; draft_tokens [G, K] int64 (the drafts being verified).
         Returns new_tokens [B, K+1], new_tokens_lens [B], next_draft_tokens [B, K], next_new_tokens [B, K+1].
         """
-        hidden = self.target(input_ids, attn)
+        hidden, captured = self.target(input_ids, attn)
+        self.spec_metadata.record_positions(attn.positions)
         logits = self.target.compute_logits(hidden[self.spec_metadata.gather_ids[:self.spec_metadata.num_rows]])
-        features = self.target.captured_hidden() if self.mode.is_eagle3_one_model() else hidden
+        features = captured if self.mode.is_eagle3_one_model() else hidden
         return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
+
+    def packed_forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor
+                       ) -> torch.Tensor:
+        """:meth:`forward` with its outputs packed [B, 2K+3] int64 (one D2H copy). Tensor parallel: rank 0's
+        outputs on every rank (every rank computes the same tokens from the same gathered logits and seeds; the
+        broadcast makes the host schedules of the ranks identical by construction)."""
+        packed = pack_outputs(self(input_ids, attn, draft_tokens))
+        parallel = self.target.parallel
+        return packed if parallel is None else broadcast_from_first(packed, parallel)
 
     def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
              params: list[SamplingParams], context_lens: tuple[int, ...]) -> torch.Tensor:
@@ -120,9 +165,10 @@ class SpecModel(nn.Module):
         device = self.device
         attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
                                        torch.tensor(positions, device=device),
-                                       max(positions) + 2 * self.max_draft_len + 2, context_lens)
+                                       max(positions) + 2 * self.max_draft_len + 2, context_lens,
+                                       tokens_per_request=self.max_draft_len + 1)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, self.max_draft_len)
-        return pack_outputs(self(torch.tensor(ids, device=device), attn, draft_tokens))
+        return self.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -135,9 +181,10 @@ class SpecModel(nn.Module):
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        guided_error = self.enable_guided_decoding() if any(p.guided_decoding for p in params) else None
         if self.graph_runner is not None:
-            self.graph_runner.capture_all()  # once: warm-up and capture before the first timed step
-        return Engine(self).generate(token_prompts, params, seed, progress)
+            self.graph_runner.capture_all(params)  # once: warm-up and capture before the first timed step
+        return Engine(self, guided_error).generate(token_prompts, params, seed, progress)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -156,6 +203,26 @@ class SpecModel(nn.Module):
             self.target.lm_head.weight.dtype)
         return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, self.target.lm_head.weight.dtype,
                        self.device)
+
+
+def _engine_config(engine_config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    return EngineConfig.model_validate({**(engine_config or EngineConfig()).model_dump(), **overrides})
+
+
+def _tensor_parallel(cfg: EngineConfig, spec_config: Eagle3Config | MTPConfig | None, device: torch.device
+                     ) -> TensorParallel | None:
+    """The tensor-parallel group, checked before any weight loads (the same error on every rank)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.tensor_parallel_size == 1 and launched == 1:
+        return None
+    _check_tp_spec(spec_config)
+    return TensorParallel.setup(cfg.tensor_parallel_size, device)
+
+
+def _check_tp_spec(spec_config: Eagle3Config | MTPConfig | None) -> None:
+    if isinstance(spec_config, MTPConfig):
+        raise ValueError("MTP with tensor_parallel_size > 1 is not supported yet (MTP modules share the target's "
+                         "vocabulary-parallel lm_head); use EAGLE-3 or tensor_parallel_size=1")
 
 
 def _eagle3_worker(target: TargetModel, cfg: Eagle3Config, dtype: torch.dtype, device: torch.device

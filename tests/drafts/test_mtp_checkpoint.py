@@ -114,6 +114,8 @@ def write_deepseek(path, edit):
     (lambda t: t.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}), ValueError,
      r"model\.layers\.3\.eh_proj\.weight: an MTP tensor inside the target's 8 decoder layers"),
     (lambda t: t.update({"mtp.fc.weight": torch.zeros(64, 128)}), ValueError, r"several layouts"),
+    (lambda t: t.update({f"model.layers.{L}.shared_head.head.weight": torch.zeros(96, 64)}), ValueError,
+     rf"model\.layers\.{L}\.shared_head\.head\.weight: expected shape \[97, 64\]"),
 ])
 def test_bad_checkpoints_name_the_tensor(tmp_path, random_target, edit, error, match):
     write_deepseek(tmp_path, edit)
@@ -143,3 +145,20 @@ def test_moe_target_block_is_refused(tmp_path):
     save_mtp_weights(tmp_path, [{"eh_proj.weight": torch.zeros(64, 128)}], "deepseek", num_target_layers=L)
     with pytest.raises(NotImplementedError, match="MoE block"):
         build_mtp_worker(target, MTPConfig(mtp_checkpoint=str(tmp_path)), max_batch_size=1)
+
+
+def test_module_head_is_used_when_distinct_and_shared_when_a_copy(tmp_path, random_target):
+    """DeepSeek-V3 stores a copy of lm_head as shared_head.head (kept once, the target's); a distinct head
+    (Step-3.5) is loaded and produces the module's logits."""
+    lm_head = random_target.lm_head.weight.detach()
+    own = torch.randn_like(lm_head)
+    write_deepseek(tmp_path / "copy", lambda t: t.update({f"model.layers.{L}.shared_head.head.weight": lm_head}))
+    write_deepseek(tmp_path / "own", lambda t: t.update({f"model.layers.{L}.shared_head.head.weight": own}))
+    copied, owned = build(tmp_path / "copy", random_target).draft_model, build(tmp_path / "own", random_target).draft_model
+    assert "head" not in copied.mtp_modules[0].shared_head
+    assert torch.equal(owned.mtp_modules[0].shared_head["head"].weight, own)
+    hidden = torch.randn(3, lm_head.shape[1])
+    normed = owned.mtp_modules[0].shared_head["norm"](hidden)
+    torch.testing.assert_close(owned.compute_logits(0, hidden), normed @ own.T)
+    torch.testing.assert_close(copied.compute_logits(0, hidden),
+                               copied.mtp_modules[0].shared_head["norm"](hidden) @ lm_head.T)

@@ -2,8 +2,8 @@
 
 transformers reads the DeepSeek-layout MTP weights with its own loader (``MtpModel.from_pretrained``), builds
 ``MtpLayer``s from the target's decoder-layer class, chains the post-``shared_head.norm`` hidden between
-modules and keeps its own MTP cache. Its drafts must equal ours, step by step, with
-``mtp_hidden_feedback="post_norm"``.
+modules and keeps its own MTP cache. Its drafts must equal ours, step by step, with the default
+``mtp_hidden_feedback`` (``"post_norm"``, what real checkpoints were trained with).
 
 Its DeepSeek-V3 / GLM-4-MoE configs always build MoE MTP blocks (``get_mtp_config`` sets
 ``first_k_dense_replace = 0``), which tllm_spec refuses, so the target here is a dense Llama whose
@@ -80,7 +80,7 @@ def test_drafts_equal_transformers_use_mtp(prompt, num_modules, monkeypatch):
     target = deepseek_style_target(num_modules)
     reference = transformers_drafts(target, num_modules, prompt, monkeypatch)
     assert len(reference) >= 3
-    vanilla = MTPConfig(num_nextn_predict_layers=num_modules, use_mtp_vanilla=True, mtp_hidden_feedback="post_norm")
+    vanilla = MTPConfig(num_nextn_predict_layers=num_modules, use_mtp_vanilla=True)  # default feedback: post-norm
     assert our_drafts(target, vanilla, prompt)[:len(reference)] == reference
     if num_modules == 1:  # one module, one draft: MTP-Eagle with K = 1 is the same drafter
         assert our_drafts(target, MTPConfig(max_draft_len=1), prompt)[:len(reference)] == reference

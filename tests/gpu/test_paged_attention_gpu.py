@@ -44,3 +44,24 @@ def test_kernel_reads_positions_from_device_inside_a_graph():
         graph.replay()
         ref = paged_attention_ref(q, k, v, bt, slots, positions, 0.125, 256)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("query_len,num_runs", [(2, 3), (4, 1), (4, 17), (6, 5)])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (6, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 13])
+def test_runs_of_query_tokens_match_reference(query_len, num_runs, hq, hkv, dtype, window):
+    """Runs of query_len consecutive positions of one request (a verify step) served by one program each."""
+    torch.manual_seed(query_len * 31 + num_runs)
+    num_pages, page, d, max_pages = 64, 16, 64, 20
+    k = torch.randn(num_pages, page, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    block_tables = torch.randint(1, num_pages, (num_runs, max_pages), dtype=torch.int32, device="cuda")
+    starts = torch.randint(0, max_pages * page - query_len, (num_runs,), device="cuda")
+    positions = (starts[:, None] + torch.arange(query_len, device="cuda")).flatten()
+    slots = torch.arange(num_runs, device="cuda").repeat_interleave(query_len)
+    q = torch.randn(num_runs * query_len, hq, d, device="cuda", dtype=dtype)
+    args = (q, k, v, block_tables, slots, positions, d ** -0.5, max_pages * page, window)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(paged_attention(*args, query_len=query_len).float(),
+                               paged_attention_ref(*args).float(), atol=tol, rtol=tol)

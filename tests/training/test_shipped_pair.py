@@ -7,7 +7,7 @@ import pytest
 
 from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel
 from tllm_spec.acceptance_eval import acceptance, heldout_texts, prompt_ids
-from tllm_spec.demo import ASSETS, is_trained
+from tllm_spec.demo import ASSETS, MTP_HIDDEN_FEEDBACK, is_trained
 from tllm_spec.training.assets import MAX_BYTES, MAX_FILE_BYTES
 
 from ..models import hf_greedy
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not is_trained(), reason=f"no trained demo pair 
 # MTP 1.60 tokens/step): a wrong aux-layer index or a broken draft loop drops acceptance to ~1.0-1.2.
 FLOOR = {"eagle3": 1.45, "mtp": 1.4}
 HEADS = {"eagle3": Eagle3Config(speculative_model="demo://eagle3", max_draft_len=3),
-         "mtp": MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, mtp_checkpoint="demo://mtp")}
+         "mtp": MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, mtp_checkpoint="demo://mtp",
+                          mtp_hidden_feedback=MTP_HIDDEN_FEEDBACK)}
 
 
 @cache

@@ -77,7 +77,7 @@ def test_resume_continues_from_the_saved_step():
         train_draft(train_config("eagle3", "run-never-started", steps=2, resume=True))
 
 
-@pytest.mark.parametrize("layers", [(1, 3, 4), (2, 4, 5), (3, 5, 6)])
+@pytest.mark.parametrize("layers", [(1, 3, 4), (2, 4, 5), (3, 5, 6), (1, 2, 2), (2, 3, 3)])
 def test_aux_layers_read_back_as_trained(layers):
     assert resolve_capture_layers(None, _stored_aux_ids(layers), 8) == layers
 

@@ -1,6 +1,7 @@
 """MTP modules: ``x = eh_proj(cat(enorm(emb(t_{i+1})), hnorm(h_i)))`` -> a decoder block of the target's own
-class (its own KV layer) -> ``shared_head.norm`` -> the target's ``lm_head``. Embedding, head and rotary
-embedding are the target's."""
+class (its own KV layer) -> ``shared_head.norm`` -> the module's own ``shared_head.head`` when its checkpoint has
+a distinct one (Step-3.5-style per-module heads), else the target's ``lm_head``. Embedding and rotary embedding
+are the target's."""
 from __future__ import annotations
 
 import copy
@@ -11,17 +12,18 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..attention import AttentionMetadata
-from .mtp_checkpoint import OWN_KEYS, MTPCheckpoint, save_mtp_weights
+from .mtp_checkpoint import HEAD_KEY, OWN_KEYS, MTPCheckpoint, save_mtp_weights
 
 _OWN_PREFIXES = tuple(k.split(".")[0] for k in OWN_KEYS)
 
 
 class MTPModule(nn.Module):
     """One MTP module. Its block is ``layer_cls(config, layer_idx=kv_layer)``: the target's decoder-layer class,
-    so it reaches tllm_spec attention through transformers' AttentionInterface and writes KV layer ``kv_layer``."""
+    so it reaches tllm_spec attention through transformers' AttentionInterface and writes KV layer ``kv_layer``.
+    With ``vocab_size`` it owns an output head ``shared_head.head`` [V, H]."""
 
     def __init__(self, config: PretrainedConfig, layer_cls: type[nn.Module], norm_cls: type[nn.Module],
-                 kv_layer: int):
+                 kv_layer: int, vocab_size: int | None = None):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.kv_layer = kv_layer
@@ -33,6 +35,8 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.block = layer_cls(_block_config(config, kv_layer), layer_idx=kv_layer)
         self.shared_head = nn.ModuleDict({"norm": norm_cls(hidden, eps=eps)})
+        if vocab_size is not None:
+            self.shared_head["head"] = nn.Linear(hidden, vocab_size, bias=False)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
@@ -78,15 +82,19 @@ class MTPDraftModel(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt: MTPCheckpoint, target, mtp_hidden_feedback: str, dtype: torch.dtype,
                         device: torch.device) -> MTPDraftModel:
-        """Build one module per checkpoint module from ``target`` (a TargetModel); module i owns KV layer L + i."""
+        """Build one module per checkpoint module from ``target`` (a TargetModel); module i owns KV layer L + i.
+        A module's ``shared_head.head`` is kept only where it differs from the target's ``lm_head`` (DeepSeek-V3
+        stores a copy; Step-3.5 trains one head per module)."""
         config, layer = target.config, target.decoder.layers[0]
         layer_cls = type(getattr(layer, "_orig_mod", layer))  # the class itself, even if torch.compile wrapped it
         norm_cls = type(target.decoder.norm)
         check_dense_target(config, norm_cls)
         mtp_modules = []
         for i, state in enumerate(ckpt.modules):
+            state = _without_copied_head(state, target.lm_head.weight, ckpt.disk_name(i, HEAD_KEY))
             with torch.device(device):
-                module = MTPModule(config, layer_cls, norm_cls, target.num_layers + i)
+                module = MTPModule(config, layer_cls, norm_cls, target.num_layers + i,
+                                   state[HEAD_KEY].shape[0] if HEAD_KEY in state else None)
             check_dense_block(module)
             module.load_canonical(state, lambda key, i=i: ckpt.disk_name(i, key))
             mtp_modules.append(module.to(dtype=dtype).eval())
@@ -106,8 +114,10 @@ class MTPDraftModel(nn.Module):
         return self.mtp_modules[module](embeds, hidden, position_embeddings, attn)
 
     def compute_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [M, H] -> target-vocabulary logits [M, V] fp32."""
-        return self.lm_head(self.mtp_modules[module].shared_head["norm"](hidden)).float()
+        """Pre-norm hidden [M, H] -> target-vocabulary logits [M, V] fp32, through the module's own head if any."""
+        shared_head = self.mtp_modules[module].shared_head
+        head = shared_head["head"] if "head" in shared_head else self.lm_head
+        return head(shared_head["norm"](hidden)).float()
 
     def feedback(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden handed on from ``module``'s pre-norm output [N, H]."""
@@ -140,16 +150,17 @@ def decoder_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.
     return type(decoder.layers[0]), type(decoder.norm)
 
 
-def random_mtp_modules(config: PretrainedConfig, num_modules: int, seed: int = 0, scale: float = 1.0
-                       ) -> list[dict[str, torch.Tensor]]:
+def random_mtp_modules(config: PretrainedConfig, num_modules: int, seed: int = 0, scale: float = 1.0,
+                       own_head: bool = False) -> list[dict[str, torch.Tensor]]:
     """Canonical float32 weights of ``num_modules`` random MTP modules for a ``config`` target: matrices
     N(0, (0.5 / sqrt(fan_in))^2) times ``scale`` (> 1 sharpens attention), norms 1 + N(0, 0.1^2), biases
-    N(0, 0.02^2)."""
+    N(0, 0.02^2); ``own_head`` adds a random ``shared_head.head`` per module."""
     layer_cls, norm_cls = decoder_classes(config)
     g = torch.Generator().manual_seed(seed)
     states = []
     for i in range(num_modules):
-        module = MTPModule(config, layer_cls, norm_cls, config.num_hidden_layers + i)
+        module = MTPModule(config, layer_cls, norm_cls, config.num_hidden_layers + i,
+                           config.vocab_size if own_head else None)
         state = {}
         for key, value in module.canonical_state().items():
             noise = torch.randn(value.shape, generator=g)
@@ -162,13 +173,28 @@ def random_mtp_modules(config: PretrainedConfig, num_modules: int, seed: int = 0
 
 
 def save_random_mtp_weights(target_dir: str | Path, num_modules: int, layout: str, seed: int = 0,
-                            scale: float = 1.0) -> list[dict[str, torch.Tensor]]:
+                            scale: float = 1.0, own_head: bool = False) -> list[dict[str, torch.Tensor]]:
     """Append random MTP modules (``layout``) to a saved target checkpoint; returns their canonical weights."""
-    states = random_mtp_modules(AutoConfig.from_pretrained(target_dir), num_modules, seed, scale)
+    states = random_mtp_modules(AutoConfig.from_pretrained(target_dir), num_modules, seed, scale, own_head)
     if layout == "qwen3_next":  # fc and the three norms are shared by all modules in this layout
         states = [{**s, **{k: states[0][k] for k in OWN_KEYS}} for s in states]
     save_mtp_weights(target_dir, states, layout)
     return states
+
+
+def _without_copied_head(state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, name: str
+                         ) -> dict[str, torch.Tensor]:
+    """``state`` without its ``shared_head.head`` when that is a copy of the target's lm_head (no second copy in
+    memory); a head of another shape is refused naming the tensor (``name``)."""
+    head = state.get(HEAD_KEY)
+    if head is None:
+        return state
+    if head.shape != lm_head_weight.shape:
+        raise ValueError(f"{name}: expected shape {list(lm_head_weight.shape)} (the target's lm_head), "
+                         f"found {list(head.shape)}")
+    if torch.equal(head.to(lm_head_weight.device, lm_head_weight.dtype), lm_head_weight.detach()):
+        return {k: v for k, v in state.items() if k != HEAD_KEY}
+    return state
 
 
 def _block_config(config: PretrainedConfig, kv_layer: int) -> PretrainedConfig:

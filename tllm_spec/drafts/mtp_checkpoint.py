@@ -2,8 +2,9 @@
 
 Layouts (decided by tensor names, never by ``architectures``; see shared/formats.md "MTP modules"):
 
-* ``deepseek`` (DeepSeek-V3/R1, GLM-4.5): ``model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.norm}`` plus a
-  whole decoder block under the same prefix; ``embed_tokens`` / ``shared_head.head`` copies are ignored.
+* ``deepseek`` (DeepSeek-V3/R1, GLM-4.5, Step-3.5): ``model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.norm}``
+  plus a whole decoder block under the same prefix, and optionally the module's own output head
+  ``shared_head.head`` (canonical key ``shared_head.head.weight`` [V, H]); ``embed_tokens`` copies are ignored.
 * ``mimo`` (Xiaomi MiMo): ``model.mtp_layers.{i}.{token_layernorm,hidden_layernorm,input_proj,final_layernorm}``
   plus the block; ``input_proj`` reads ``cat(hidden, embedding)`` (reversed).
 * ``qwen3_next`` (Qwen3-Next / Qwen3.5): ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}`` shared by
@@ -11,7 +12,8 @@ Layouts (decided by tensor names, never by ``architectures``; see shared/formats
 
 Canonical form (what :class:`MTPCheckpoint` holds): per module ``enorm.weight``, ``hnorm.weight``,
 ``eh_proj.weight`` [H, 2H] reading ``cat(embedding, hidden)``, ``shared_head.norm.weight`` and the block's own
-keys (``self_attn.q_proj.weight``, ``mlp.up_proj.weight``, ...), every norm as a plain ``x̂·w`` weight.
+keys (``self_attn.q_proj.weight``, ``mlp.up_proj.weight``, ...), every norm as a plain ``x̂·w`` weight, plus
+``shared_head.head.weight`` where the checkpoint has one.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ _MIMO_KEYS = {v: k for k, v in _MIMO_NAMES.items()}
 _QWEN3_NEXT_KEYS = {v: k for k, v in _QWEN3_NEXT_NAMES.items()}
 _COUNT_FIELD = {"deepseek": "num_nextn_predict_layers", "mimo": "num_nextn_predict_layers",
                 "qwen3_next": "mtp_num_hidden_layers"}
-_IGNORED = ("embed_tokens.weight", "shared_head.head.weight")  # copies of the target's tensors
+HEAD_KEY = "shared_head.head.weight"  # a module's own output head (DeepSeek layout; often a copy of lm_head)
+_IGNORED = ("embed_tokens.weight",)  # copies of the target's embedding
 _MOE_MLA = (".mlp.experts.", ".mlp.shared_experts.", ".mlp.gate.weight", "q_a_proj", "kv_a_proj_with_mqa",
             "kv_b_proj", "e_score_correction_bias")
 _DEEPSEEK_RE = re.compile(r"^model\.layers\.(\d+)\.")

@@ -50,7 +50,7 @@ class DraftTrainConfig(BaseModel):
     init_from: str | None = Field(None, description="fine-tune this existing head / MTP directory instead of a "
                                   "fresh draft (its own shape, vocabulary and aux layers are kept)")
     num_modules: int = Field(1, ge=1, le=8, description="MTP: >1 trains vanilla MTP (one level per module)")
-    hidden_feedback: Literal["pre_norm", "post_norm"] = Field("pre_norm", description="MTP: the hidden fed to "
+    hidden_feedback: Literal["pre_norm", "post_norm"] = Field("post_norm", description="MTP: the hidden fed to "
                                                               "the next level (must match MTPConfig)")
     rollout_sequences: int = Field(0, ge=0, description="self-distillation: target continuations of training "
                                    "prompts generated before training, half greedy, half at T = 1 (0: none)")

@@ -48,8 +48,8 @@ def _stored_aux_ids(layers: tuple[int, ...]) -> tuple[int, ...]:
     """The ids written to the head's config so that the loader's convention rule (a list starting at 1 is
     output-of-layer, anything else input-to-layer) reads back exactly ``layers`` (output-of-layer)."""
     layers = tuple(sorted(layers))
-    if len(set(layers)) != 3 or layers[0] < 0:
-        raise ValueError(f"aux layers {layers}: need 3 distinct non-negative decoder-layer ids")
+    if len(layers) != 3 or layers[0] < 0:
+        raise ValueError(f"aux layers {layers}: need 3 non-negative decoder-layer ids (repeats allowed)")
     if layers[0] == 0:
         raise ValueError("aux layer 0 cannot be written unambiguously into an EAGLE-3 config (the id lists (0, ...) "
                          "and (1, ...) read back as other layers); pick layers >= 1")

@@ -48,7 +48,7 @@ class MTPTrainer(nn.Module):
     this module's parameters."""
 
     def __init__(self, modules: list[MTPModule], teacher: Teacher, ttt_steps: int,
-                 hidden_feedback: str = "pre_norm"):
+                 hidden_feedback: str = "post_norm"):
         super().__init__()
         if hidden_feedback not in ("pre_norm", "post_norm"):
             raise ValueError(f"hidden_feedback must be 'pre_norm' or 'post_norm', got {hidden_feedback!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -10,6 +11,11 @@ from .. import sampling
 from ..forced_acceptance import forced_num_accepted, read_forced_num_accepted
 from ..metadata import SpecMetadata
 from ..rejection import full_vocab_probs, rejection_sample
+
+_SALT_TARGET, _SALT_DRAFT = 0x7A, 0xD7  # per-request streams share counters between target and draft draws
+
+if TYPE_CHECKING:
+    from ..guided import GuidedDecoder
 
 
 class SpecWorkerBase(nn.Module, ABC):
@@ -29,6 +35,7 @@ class SpecWorkerBase(nn.Module, ABC):
         self.use_rejection_sampling = use_rejection_sampling
         self.forced_num_accepted = read_forced_num_accepted()
         self.draft_probs: torch.Tensor | None = None  # [slots, K, V] f32: what each slot's drafts were drawn from
+        self.guided_decoder: GuidedDecoder | None = None
 
     def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         """Per-request device state kept across steps (indexed by KV slot): the draft distributions that
@@ -44,11 +51,41 @@ class SpecWorkerBase(nn.Module, ABC):
         """(num_kv_heads, head_dim) of the draft network's cache layers, placed after the target's."""
         return []
 
+    def fuse(self, max_positions: int) -> None:
+        """Switch the draft network to its fused inference layers (positions < max_positions); default none."""
+
+    def compile(self) -> None:
+        """torch.compile the draft network's passes for generation-only steps; default none."""
+
+    def set_guided_decoder(self, guided_decoder: GuidedDecoder) -> bool:
+        """Mask target rows and draft passes with ``guided_decoder``'s grammar bitmasks (TensorRT-LLM name)."""
+        self.guided_decoder = guided_decoder
+        return True
+
+    def _execute_guided_decoder_if_present(self, logits: torch.Tensor) -> None:
+        """Mask the target logits [R, V] in place with this step's grammar bitmasks, before any sampling or
+        acceptance reads them (tensor ops on stable buffers: capturable)."""
+        if self.guided_decoder is not None:
+            self.guided_decoder.execute(logits)
+
+    def _add_guided_draft_batch_if_present(self, num_accepted: torch.Tensor) -> None:
+        """Hand the accepted counts [B] to the guided decoder before drafting: it picks each request's
+        draft-pass masks by them (a device gather)."""
+        if self.guided_decoder is not None:
+            self.guided_decoder.add_draft_batch(num_accepted)
+
     def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
-        """Target tokens for every row. logits [R, V] -> [R] int64."""
+        """Target tokens for every row. logits [R, V] -> [R] int64. An all-greedy step is a plain argmax."""
+        if spec_metadata.all_greedy:
+            return logits.argmax(-1)
         temps, top_ks, top_ps = spec_metadata.rows()
-        return sampling.sample(logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
-                               self.use_flashinfer)
+        seed, offset = spec_metadata.target_streams()
+        return sampling.sample(logits, temps, top_ks, top_ps, seed, offset, self._flashinfer(spec_metadata),
+                               salt=_SALT_TARGET)
+
+    def _flashinfer(self, spec_metadata: SpecMetadata) -> bool:
+        """FlashInfer samples from the batch stream only; per-request streams take the torch path."""
+        return self.use_flashinfer and not spec_metadata.has_request_seeds
 
     def accept_tokens(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
                       spec_metadata: SpecMetadata, target_logits: torch.Tensor | None = None,
@@ -60,7 +97,7 @@ class SpecWorkerBase(nn.Module, ABC):
         Returns (new_tokens [B, K+1] int64, num_accepted [B] int64 with the bonus counted).
         """
         num_accepted_gen, gen_tokens = strict_acceptance(target_tokens[num_contexts:], draft_tokens)
-        if self.use_rejection_sampling and draft_tokens.shape[0] > 0:
+        if self.use_rejection_sampling and draft_tokens.shape[0] > 0 and not spec_metadata.all_greedy:
             gen_tokens, num_accepted_gen = self._rejection_sampling(
                 target_logits[num_contexts:], draft_tokens, gen_slots, gen_tokens, num_accepted_gen, spec_metadata)
         if self.forced_num_accepted is not None:
@@ -76,12 +113,19 @@ class SpecWorkerBase(nn.Module, ABC):
     def _rejection_sampling(self, gen_logits: torch.Tensor, draft_tokens: torch.Tensor, gen_slots: torch.Tensor,
                             strict_tokens: torch.Tensor, strict_accepted: torch.Tensor, spec_metadata: SpecMetadata
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Probabilistic acceptance for sampled requests; greedy requests keep the strict result."""
+        """Probabilistic acceptance for sampled requests; greedy requests keep the strict result.
+
+        Rows past the emitted ones hold the target's own samples (strict_tokens), so that forced acceptance,
+        which may count more rows than rejection sampling emitted, still emits target tokens there.
+        """
         num_gen, k = draft_tokens.shape
         temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
         probs = sampling.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, k + 1, -1)
-        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, spec_metadata.seed,
-                                            spec_metadata.offset, self.use_flashinfer)
+        seed, offset = spec_metadata.generation_streams()
+        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, seed, offset,
+                                            self._flashinfer(spec_metadata))
+        emitted = torch.arange(k + 1, device=tokens.device) < accepted[:, None]
+        tokens = torch.where(emitted, tokens, strict_tokens)
         greedy = top_ks.view(num_gen, k + 1)[:, 0] == 1
         return (torch.where(greedy[:, None], strict_tokens, tokens),
                 torch.where(greedy, strict_accepted, accepted))
@@ -89,12 +133,17 @@ class SpecWorkerBase(nn.Module, ABC):
     def draft_tokens_from_logits(self, draft_logits: torch.Tensor, d2t: torch.Tensor | None, step: int,
                                  slots: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Draft step ``step``: argmax (strict acceptance), or a sample at each request's temperature /
-        top-k / top-p whose distribution is kept for rejection sampling. draft_logits [B, V_draft] -> [B]."""
-        if not self.use_rejection_sampling:
+        top-k / top-p whose distribution is kept for rejection sampling (argmax in an all-greedy step, whose
+        drafts are verified strictly). draft_logits [B, V_draft] -> [B]. A guided decoder first masks the
+        logits in place with the step's draft-pass bitmask."""
+        if self.guided_decoder is not None:
+            self.guided_decoder.execute_draft_batch(draft_logits, d2t, step)
+        if not self.use_rejection_sampling or spec_metadata.all_greedy:
             return sampling.greedy_draft_tokens(draft_logits, d2t)
         temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
-        ids = sampling.sample(draft_logits, temps, top_ks, top_ps, spec_metadata.seed, spec_metadata.offset,
-                              self.use_flashinfer)
+        seed, offset = spec_metadata.draft_streams(step)
+        ids = sampling.sample(draft_logits, temps, top_ks, top_ps, seed, offset, self._flashinfer(spec_metadata),
+                              salt=_SALT_DRAFT)
         probs = sampling.target_probs(draft_logits, temps, top_ks, top_ps)
         self.draft_probs[slots, step] = full_vocab_probs(probs, d2t, self.draft_probs.shape[-1])
         return ids if d2t is None else ids + d2t[ids]

@@ -34,16 +34,24 @@ class Eagle3OneModelWorker(SpecWorkerBase):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return [self.draft_model.kv_shape]
 
+    def fuse(self, max_positions: int) -> None:
+        self.draft_model.fuse(max_positions)
+
+    def compile(self) -> None:
+        self.draft_model.compile()
+
     def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
         """input_ids [T]; target_logits [R, V]; target_features [T, 3H_t] (aux hidden states);
         draft_tokens [G, K] being verified. Returns the TensorRT-LLM output dict."""
         num_contexts = spec_metadata.num_context_requests
+        self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
         first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
         new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
                                                       target_logits, attn.token_slots[first_tokens])
+        self._add_guided_draft_batch_if_present(num_accepted)
         next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, num_contexts), target_features,
                                        num_accepted, attn, spec_metadata)
         return {

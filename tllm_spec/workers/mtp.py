@@ -3,9 +3,10 @@
 TensorRT-LLM semantics (``tensorrt_llm/_torch/speculative/mtp.py``): ``MTPEagleWorker`` runs module 0 over the
 step's tokens, then one token per request for the remaining steps; ``MTPWorker`` runs N modules in sequence,
 each over a per-request window, tokens shifted left by one per module with the newest draft appended. The
-hidden handed on is ``MTPConfig.mtp_hidden_feedback``: default ``"pre_norm"`` (the block output, the DeepSeek-V3
-report's h^k and vLLM's choice); ``"post_norm"`` (after ``shared_head.norm``) is what TensorRT-LLM's
-``DeepseekV3MTP`` and transformers' ``MtpLayer`` return.
+hidden handed on is ``MTPConfig.mtp_hidden_feedback``: default ``"post_norm"`` (after ``shared_head.norm``, the
+analogue of the target's final-normed hidden that ``hnorm`` was trained on; what TensorRT-LLM's ``DeepseekV3MTP``,
+SGLang's ``deepseek_nextn``, vLLM since PR #45895 and transformers' ``MtpLayer`` hand on); ``"pre_norm"`` (the
+block output) for modules trained that way, such as the shipped demo module.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from ..config import MTPConfig
 from ..drafts.mtp import MTPDraftModel
 from ..drafts.mtp_checkpoint import load_mtp_checkpoint
 from ..forced_acceptance import forced_num_accepted
-from ..kv_cache import SCRATCH_PAGE
 from ..metadata import SpecMetadata
 from ..target import TargetModel
 from .base import SpecWorkerBase
@@ -46,6 +46,7 @@ class _MTPWorkerBase(SpecWorkerBase):
         draft_tokens [G, K] being verified. Returns the TensorRT-LLM output dict."""
         num_ctx = spec_metadata.num_context_requests
         slots = attn.token_slots[spec_metadata.gather_ids[spec_metadata.first_rows()]]  # [B] KV slot per request
+        self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
         if self.relaxed is None:
             new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_ctx, spec_metadata,
@@ -55,6 +56,7 @@ class _MTPWorkerBase(SpecWorkerBase):
                                                             slots, spec_metadata)
         # the accepted token after each row (under relaxed acceptance possibly a draft, not the target's)
         row_tokens = self.row_tokens(new_tokens, num_ctx)
+        self._add_guided_draft_batch_if_present(num_accepted)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata)
         return {
             "new_tokens": new_tokens,
@@ -95,9 +97,15 @@ class _MTPWorkerBase(SpecWorkerBase):
 
 
 class MTPEagleWorker(_MTPWorkerBase):
-    """MTP-Eagle (TensorRT-LLM ``MTPEagleWorker``): module 0 drafts K tokens, EAGLE-style.
+    """MTP-Eagle (TensorRT-LLM ``MTPEagleWorker``): K drafts chained EAGLE-style, one position per draft step.
 
-    Worked trace, prompt ``A B C D`` then K = 3 (h_p: the target's final-normed hidden at position p):
+    Draft step k runs module ``step_modules[k]``: module 0 every time (``mtp_layer_selection="first"``), or module
+    k mod N (``"per_step"``: vLLM's ``spec_step_idx % num_mtp_layers``, Step-3.5's round-robin layers). Every
+    module reads the same sequence of (token, hidden) pairs, so each module used at step k or later runs at the
+    position drafted at step k, keeping its own KV layer complete (a module that skipped a position would later
+    attend a stale entry there).
+
+    Worked trace, prompt ``A B C D`` then K = 3, ``"first"`` (h_p: the target's final-normed hidden at position p):
 
     * step 1 (context): the target sees ``A B C D`` at positions 0-3 and samples ``E``. Module 0 sees
       ``(B, h_0) (C, h_1) (D, h_2) (E, h_3)`` at positions 0-3 (its own KV layer) and proposes ``e1`` from the
@@ -107,22 +115,39 @@ class MTPEagleWorker(_MTPWorkerBase):
       ``e1 == t0``, ``e2 != t1``: accepted ``[t0 t1]`` (n = 2). Module 0 sees ``(t0, h_4) (t1, h_5) (t2, h_6)
       (t3, h_7)`` at 4-7 (rows 6, 7 are junk beyond the accepted length, never read) and drafts from row 5
       (n - 1); the one-token passes write positions 6, 7, which the next step's first pass overwrites.
+
+    ``"per_step"`` with N = 2: the first pass runs modules 0 and 1 over positions 0-3 (``e1`` from module 0); the
+    pass at position 4 runs modules 1 and 0 on ``(e1, g_3)`` (``e2`` from module 1, whose output is fed back); the
+    pass at position 5 runs module 0 only (``e3``), the last step.
     """
+
+    def __init__(self, max_draft_len: int, draft_model: MTPDraftModel, num_step_modules: int = 1,
+                 relaxed: RelaxedAcceptance | None = None, use_flashinfer: bool = True,
+                 use_rejection_sampling: bool = False):
+        super().__init__(max_draft_len, draft_model, relaxed, use_flashinfer, use_rejection_sampling)
+        self.step_modules = tuple(k % num_step_modules for k in range(max_draft_len))  # module of draft step k
 
     def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
               num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
         gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
         next_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
-        hidden = self.draft_model(0, next_ids, target_features, attn)
+        outs = self._run_modules(0, next_ids, target_features, attn)
         last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
-        hidden, positions, slots = hidden[last], attn.positions[last], attn.token_slots[last]
-        drafts = [self._propose(0, hidden, 0, slots, spec_metadata)]
+        hidden, positions, slots = outs[self.step_modules[0]][last], attn.positions[last], attn.token_slots[last]
+        drafts = [self._propose(self.step_modules[0], hidden, 0, slots, spec_metadata)]
         for step in range(1, self.max_draft_len):
             positions = positions + 1
-            hidden = self.draft_model(0, drafts[-1], self.draft_model.feedback(0, hidden),
-                                      attn.for_tokens(slots, positions))
-            drafts.append(self._propose(0, hidden, step, slots, spec_metadata))
+            fed_back = self.draft_model.feedback(self.step_modules[step - 1], hidden)
+            outs = self._run_modules(step, drafts[-1], fed_back, attn.for_tokens(slots, positions))
+            hidden = outs[self.step_modules[step]]
+            drafts.append(self._propose(self.step_modules[step], hidden, step, slots, spec_metadata))
         return torch.stack(drafts, dim=1)
+
+    def _run_modules(self, step: int, input_ids: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata
+                     ) -> dict[int, torch.Tensor]:
+        """Every module used at ``step`` or later over these tokens (writing its KV layer there).
+        input_ids [N], hidden [N, H] -> {module: pre-norm output [N, H]}."""
+        return {m: self.draft_model(m, input_ids, hidden, attn) for m in sorted(set(self.step_modules[step:]))}
 
 
 class MTPWorker(_MTPWorkerBase):
@@ -214,13 +239,16 @@ class MTPWorker(_MTPWorkerBase):
 
 def build_mtp_worker(target: TargetModel, cfg: MTPConfig, max_batch_size: int) -> _MTPWorkerBase:
     """The worker for ``cfg``: weights from ``cfg.mtp_checkpoint`` or the target's own directory. Vanilla MTP
-    loads ``num_nextn_predict_layers`` modules; MTP-Eagle loads module 0 only."""
+    loads ``num_nextn_predict_layers`` modules; MTP-Eagle loads module 0, or with per-step layer selection the
+    modules its K steps use."""
     source = demo.resolve(cfg.mtp_checkpoint) if cfg.mtp_checkpoint else target.checkpoint_dir
     if source is None:
         raise ValueError("MTP weights: the target was not loaded from a directory; set MTPConfig.mtp_checkpoint")
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
     vanilla = cfg.spec_dec_mode.is_mtp_vanilla()
-    num_modules = cfg.num_nextn_predict_layers if vanilla else 1
+    per_step = cfg.mtp_layer_selection == "per_step"
+    num_modules = cfg.num_nextn_predict_layers if vanilla else (
+        min(cfg.num_nextn_predict_layers, cfg.num_draft_tokens) if per_step else 1)
     ckpt = load_mtp_checkpoint(source, target.num_layers, num_modules)
     draft = MTPDraftModel.from_checkpoint(ckpt, target, cfg.mtp_hidden_feedback, dtype, device)
     relaxed = None
@@ -233,15 +261,13 @@ def build_mtp_worker(target: TargetModel, cfg: MTPConfig, max_batch_size: int) -
     options = dict(relaxed=relaxed, use_rejection_sampling=cfg.use_rejection_sampling)
     if vanilla:
         return MTPWorker(num_modules, draft, max_batch_size, target.hidden_size, dtype, device, **options)
-    return MTPEagleWorker(cfg.num_draft_tokens, draft, **options)
+    return MTPEagleWorker(cfg.num_draft_tokens, draft, num_modules, **options)
 
 
 def _window_attention(attn: AttentionMetadata, token_slots: torch.Tensor, positions: torch.Tensor
                       ) -> AttentionMetadata:
     """The step's metadata (context part unchanged) over the window rows. Rows at negative positions (short
     prompts) attend position 0 and write their K/V to the scratch page, so no real entry is touched."""
-    clamped = positions.clamp(min=0)
-    write_index = attn.kv_cache.write_index(token_slots, clamped)
-    scratch = SCRATCH_PAGE * attn.kv_cache.page_size
-    return replace(attn, positions=clamped, token_slots=token_slots,
-                   write_index=torch.where(positions >= 0, write_index, scratch))
+    padding = torch.full_like(token_slots, attn.kv_cache.padding_slot)  # its block-table row is all scratch
+    return replace(attn, positions=positions.clamp(min=0), token_slots=token_slots,
+                   write_slots=torch.where(positions >= 0, token_slots, padding), tokens_per_request=1)

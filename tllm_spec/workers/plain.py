@@ -17,6 +17,7 @@ class PlainWorker(SpecWorkerBase):
     def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
+        self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
         new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens,
                                                       spec_metadata.num_context_requests, spec_metadata)

@@ -1,0 +1,95 @@
+"""FusedDecoder: the target's decoder stack rebuilt from the stock HF modules with fused projections.
+
+Covers the dense Llama family the README names (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
+Mistral with a sliding window) and any checkpoint whose modules have the same shape; other architectures
+return ``None`` from :meth:`FusedDecoder.from_hf` and run through the stock HF modules instead.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .attention import AttentionMetadata
+from .layers import MLP, Attention, DecoderLayer, RotaryTable
+
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x̂·w, eps in fp32
+_ATTENTION_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_KEYS = ("gate_proj", "up_proj", "down_proj")
+
+
+class FusedDecoder(nn.Module):
+    """embed -> layers -> final norm over a packed batch, capturing chosen layers' outputs on the way.
+
+    Shares the embedding, norms and weights (as views) with the stock HF model it was built from.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, layers: list[DecoderLayer], norm: nn.Module, rotary: RotaryTable):
+        super().__init__()
+        self.embed_tokens, self.norm, self.rotary = embed_tokens, norm, rotary
+        self.layers = nn.ModuleList(layers)
+        self.capture_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def supports(hf_model: PreTrainedModel) -> bool:
+        """Whether ``hf_model``'s layers are the supported dense kind (works on a meta-device model too)."""
+        decoder = hf_model.get_decoder()
+        return (all(_supported_layer(layer) for layer in decoder.layers)
+                and _supported_rotary(getattr(decoder, "rotary_emb", None))
+                and type(decoder.norm).__name__ in _RMS_NORMS)
+
+    @classmethod
+    def from_hf(cls, hf_model: PreTrainedModel, max_positions: int, tp_group: str | None = None
+                ) -> FusedDecoder | None:
+        """Fuse ``hf_model``'s decoder, or None when its layers are not the supported dense kind. ``tp_group``:
+        the model holds one tensor-parallel rank's shards; attention and MLP outputs are all-reduced there."""
+        if not cls.supports(hf_model):
+            return None
+        decoder = hf_model.get_decoder()
+        dtype = decoder.embed_tokens.weight.dtype
+        layers = [_fuse_layer(layer, i) for i, layer in enumerate(decoder.layers)]
+        for layer in layers:
+            layer.self_attn.tp_group = layer.mlp.tp_group = tp_group
+        return cls(decoder.embed_tokens, layers, decoder.norm,
+                   RotaryTable.from_hf(decoder.rotary_emb, max_positions, dtype))
+
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [T] int64 -> (final-normed hidden [T, H], outputs of the capture layers, each [T, H])."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(attn.positions)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, attn)
+            if i in self.capture_ids:
+                captured[i] = hidden
+        return self.norm(hidden), [captured[i] for i in self.capture_ids]
+
+
+def _supported_layer(layer: nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or not all(isinstance(getattr(attn, k, None), nn.Linear) for k in _ATTENTION_KEYS):
+        return False
+    if not all(isinstance(getattr(mlp, k, None), nn.Linear) for k in _MLP_KEYS):
+        return False
+    norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
+        getattr(attn, k) for k in ("q_norm", "k_norm") if getattr(attn, k, None) is not None]
+    act = type(getattr(mlp, "act_fn", None)).__name__
+    children = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+    return (set(type(n).__name__ for n in norms) <= set(_RMS_NORMS) and act in ("SiLU", "SiLUActivation")
+            and set(dict(layer.named_children())) == children)
+
+
+def _supported_rotary(rotary: nn.Module | None) -> bool:
+    return rotary is not None and getattr(rotary, "rope_type", None) in RotaryTable.STATIC_ROPE_TYPES
+
+
+def _fuse_layer(layer: nn.Module, index: int) -> DecoderLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    window = getattr(attn, "sliding_window", None)
+    if window is None and type(attn).__name__ == "MistralAttention":  # Mistral reads it from the config
+        window = getattr(attn.config, "sliding_window", None)
+    fused_attn = Attention.from_linears(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.head_dim, index,
+                                        attn.scaling, sliding_window=window, q_norm=getattr(attn, "q_norm", None),
+                                        k_norm=getattr(attn, "k_norm", None))
+    return DecoderLayer(layer.input_layernorm, fused_attn, layer.post_attention_layernorm,
+                        MLP.from_linears(mlp.gate_proj, mlp.up_proj, mlp.down_proj))

@@ -1,0 +1,105 @@
+"""Tensor parallelism over torch.distributed: the process group, the shardability check and the three
+collectives of the step (all-reduce after row-parallel GEMMs, the vocabulary gather of the sampled rows, the
+broadcast of the step outputs).
+
+Collectives are ``torch.ops._c10d_functional`` ops: the same op runs eagerly (gloo on CPU, NCCL on GPU),
+traces under torch.compile and is captured into CUDA graphs with NCCL.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group (``size`` ranks, all of them: one target)."""
+
+    rank: int
+    size: int
+    group_name: str
+
+    @classmethod
+    def setup(cls, size: int, device: torch.device) -> TensorParallel:
+        """Join (or check) the default process group of ``size`` ranks. Run under ``torchrun --nproc-per-node
+        size``; a process group already initialised (tests) is used as is. Raises the same error on every rank
+        before any collective when the world does not match ``size``."""
+        if not dist.is_initialized():
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if world != size:
+                raise ValueError(f"tensor_parallel_size={size} but this process was started with WORLD_SIZE="
+                                 f"{world}; launch with torchrun --nproc-per-node {size}")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if dist.get_world_size() != size:
+            raise ValueError(f"tensor_parallel_size={size} but the torch.distributed world has "
+                             f"{dist.get_world_size()} ranks; launch with torchrun --nproc-per-node {size}")
+        return cls(dist.get_rank(), size, dist.group.WORLD.group_name)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def split(self, total: int) -> tuple[int, int]:
+        """[start, stop) of this rank's equal part of ``total`` (which ``size`` divides)."""
+        part = total // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """[start, stop) of this rank's KV heads: an equal part, or one head replicated over
+        ``size / num_kv_heads`` ranks when there are fewer KV heads than ranks."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads)
+        head = self.rank * num_kv_heads // self.size
+        return head, head + 1
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        """Rows per rank of the vocabulary-parallel lm_head (the last rank's tail is zero padding)."""
+        return -(-vocab_size // self.size)
+
+
+def local_process_device(device: torch.device) -> torch.device:
+    """One GPU per rank (``LOCAL_RANK``) when ``device`` names CUDA without an index; CPU stays CPU."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(local)
+    return local
+
+
+def check_shardable(config: PretrainedConfig, size: int) -> None:
+    """Raise when ``config``'s attention or MLP cannot be split ``size`` ways (checked before any weight loads)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % size:
+        problems.append(f"{heads} attention heads are not divisible by {size}")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"{kv_heads} KV heads neither divide nor are divisible by {size}")
+    if config.intermediate_size % size:
+        problems.append(f"intermediate_size {config.intermediate_size} is not divisible by {size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={size} does not fit this target: " + "; ".join(problems))
+
+
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum of ``x`` over the group (after a row-parallel GEMM). Same shape."""
+    return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group_name))
+
+
+def gather_vocab(logits: torch.Tensor, vocab_size: int, parallel: TensorParallel) -> torch.Tensor:
+    """Vocabulary-parallel logits [R, V/size] of every rank -> full logits [R, vocab_size] on every rank."""
+    parts = _c10d.wait_tensor(_c10d.all_gather_into_tensor(logits.contiguous(), parallel.size,
+                                                           parallel.group_name))  # [size*R, V/size]
+    rows = logits.shape[0]
+    return parts.view(parallel.size, rows, -1).transpose(0, 1).reshape(rows, -1)[:, :vocab_size]
+
+
+def broadcast_from_first(x: torch.Tensor, parallel: TensorParallel) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank."""
+    return _c10d.wait_tensor(_c10d.broadcast(x, 0, parallel.group_name))
