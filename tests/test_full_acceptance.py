@@ -53,3 +53,13 @@ def test_forced_acceptance_sets_counts(monkeypatch, value, allowed):
     per_step = [n for out in outs for n in out.stats.accepted_per_step]
     assert set(per_step) == allowed
     assert [len(o.token_ids) for o in outs] == MAX_NEW
+
+
+def test_fractional_forcing_draws_anew_every_step_of_a_greedy_request(monkeypatch):
+    # one greedy request samples nothing else: the lottery alone must move the stream between steps
+    monkeypatch.setenv(ENV_VAR, "1.5")
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=1)
+    per_step = model.generate([PROMPTS[0]], SamplingParams(max_new_tokens=120))[0].stats.accepted_per_step
+    assert set(per_step) == {2, 3}
+    assert 0.25 < per_step.count(3) / len(per_step) < 0.75  # ~48 Bernoulli(0.5) draws

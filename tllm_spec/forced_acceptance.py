@@ -50,8 +50,11 @@ def forced_num_accepted(forced: float, max_draft_len: int, num_rows: int, seed: 
                         offset: torch.Tensor) -> torch.Tensor:
     """Accepted tokens per generation request under forcing: 1 + min(K, floor(v) + [u < frac(v)]).
 
-    seed, offset: [1] int64 device tensors. Returns [num_rows] int64 (bonus token included).
+    seed, offset: [1] int64 device tensors, the batch stream; the seed is advanced in place after the draw (an
+    all-greedy step samples nothing else, and the next step's lottery must not repeat this one's).
+    Returns [num_rows] int64 (bonus token included).
     """
     whole, frac = math.floor(forced), forced - math.floor(forced)
     extra = (rng.uniform(seed, offset, (num_rows,), salt=_SALT) < frac).to(torch.int64)
+    rng.advance(seed)
     return (extra + whole).clamp_(max=max_draft_len) + 1
