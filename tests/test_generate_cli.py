@@ -52,13 +52,16 @@ def run_cli(script, monkeypatch, tmp_path, *args, prompt: str = "w5 w17 w3") -> 
 
 
 def config_args(config: Path, target: Path) -> tuple[list[str], str]:
-    """CLI arguments and a prompt for ``config``: demo configs run as they are, others on the tiny target."""
+    """CLI arguments and a prompt for ``config``: demo configs run as they are, others on the tiny target (in
+    one process)."""
     cfg = load_run_config(config)
     if cfg.target_model is None or cfg.target_model.startswith("demo://"):
         return ["--config", str(config)], "def main():"
     args = ["--config", str(config), "--target", str(target)]
     if cfg.spec_config is not None and cfg.spec_config.decoding_type == "eagle3":
         args += ["--draft", str(target.parent / "head")]
+    if cfg.engine.tensor_parallel_size > 1:  # one process here; TP runs are tests/test_tensor_parallel.py's
+        args += ["--tensor-parallel-size", "1"]
     return args, "w5 w17 w3"
 
 

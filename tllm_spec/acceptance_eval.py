@@ -60,9 +60,7 @@ def head_configs(eagle3: str | None, mtp: str | None, k: int) -> dict[str, SpecC
     if eagle3:
         heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k, use_rejection_sampling=True)
     if mtp:
-        feedback = demo.MTP_HIDDEN_FEEDBACK if mtp.startswith(demo.PREFIX) else "post_norm"
-        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, mtp_hidden_feedback=feedback,
-                                 use_rejection_sampling=True,
+        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, use_rejection_sampling=True,
                                  mtp_checkpoint=None if mtp == "target" else mtp)
     return heads
 

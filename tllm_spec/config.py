@@ -8,7 +8,6 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from . import demo
 from .modes import SpeculativeDecodingMode
 
 # A temperature below this is greedy (TensorRT-LLM's sentinel for "temperature disabled" is ~1e-5).
@@ -208,19 +207,14 @@ class RunConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _demo_mtp_module(cls, data: object) -> object:
-        """The demo target ships its MTP module beside it, not inside its checkpoint: point MTP there (with the
-        hidden feedback the module was trained with, unless the config names one)."""
+        """The demo target ships its MTP module beside it, not inside its checkpoint: point MTP there."""
         if not isinstance(data, dict) or data.get("target_model") not in (None, DEMO_TARGET):
             return data
         spec = data.get("spec_config")
         if isinstance(spec, MTPConfig) and spec.mtp_checkpoint is None:
-            update = {"mtp_checkpoint": DEMO_MTP}
-            if "mtp_hidden_feedback" not in spec.model_fields_set:
-                update["mtp_hidden_feedback"] = demo.MTP_HIDDEN_FEEDBACK
-            return {**data, "spec_config": spec.model_copy(update=update)}
+            return {**data, "spec_config": spec.model_copy(update={"mtp_checkpoint": DEMO_MTP})}
         if isinstance(spec, dict) and spec.get("decoding_type") == "mtp" and spec.get("mtp_checkpoint") is None:
-            return {**data, "spec_config": {"mtp_hidden_feedback": demo.MTP_HIDDEN_FEEDBACK, **spec,
-                                            "mtp_checkpoint": DEMO_MTP}}
+            return {**data, "spec_config": {**spec, "mtp_checkpoint": DEMO_MTP}}
         return data
 
 

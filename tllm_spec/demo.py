@@ -18,9 +18,6 @@ PREFIX = "demo://"
 ASSETS = Path(__file__).parent / "assets" / "demo"
 CACHE = Path(os.path.expanduser("~")) / ".cache" / "tllm_spec" / "demo-random"
 VOCAB_SIZE = 1024
-# The shipped MTP module was trained feeding back the pre-norm block output (before the trainer's default
-# became post-norm); MTPConfig.mtp_hidden_feedback must say so when it loads demo://mtp.
-MTP_HIDDEN_FEEDBACK = "pre_norm"
 _TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=2048)
 
