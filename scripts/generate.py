@@ -96,24 +96,23 @@ def main() -> None:
     cfg = build_config(args)
     prompts = read_prompts(args)
     first_rank = int(os.environ.get("RANK", "0")) == 0  # every rank decodes the same steps; rank 0 reports
+    comparison = None
     if cfg.spec_config is None or args.no_baseline:
         outputs = SpecModel.from_run_config(cfg).generate(prompts, cfg.sampling, seed=args.seed, progress=first_rank)
-        baseline, identical = None, None
     else:
         comparison = compare(cfg, prompts, seed=args.seed, progress=first_rank)
-        outputs, baseline, identical = comparison.spec, comparison.plain, comparison.same_tokens
+        outputs = comparison.spec
     if not first_rank:
         return
-    print(format_outputs(outputs, prompts, aggregate=baseline is None))
-    if baseline is not None:
+    print(format_outputs(outputs, prompts, aggregate=comparison is None))
+    if comparison is not None:
         print(format_comparison(comparison, cfg))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg.model_dump(), "stats": outputs.stats, "outputs": [
             {"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
              "error": o.error, "stats": o.stats.summary()} for p, o in zip(prompts, outputs)],
-            "baseline_stats": baseline.stats if baseline is not None else None,
-            "identical_to_baseline": identical}, indent=2))
-
+            "baseline_stats": comparison.plain.stats if comparison else None,
+            "identical_to_baseline": comparison.same_tokens if comparison else None}, indent=2))
 
 if __name__ == "__main__":
     main()
