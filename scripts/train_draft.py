@@ -41,6 +41,9 @@ def parse_args() -> DraftTrainConfig:
                    "prompts generated first (half greedy, half T=1) and mixed into every batch")
     p.add_argument("--rollout-prompt-tokens", type=int, default=64)
     p.add_argument("--rollout-share", type=float, default=0.5, help="fraction of each batch taken from the rollouts")
+    p.add_argument("--rollouts-file", help="reuse the rollouts stored here (written on the first run)")
+    p.add_argument("--tv-weight", type=float, default=0.0, help="add this times the total-variation distance to "
+                   "the loss (trains T = 1 acceptance directly)")
     p.add_argument("--heldout-every", type=int, default=10)
     p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default .py .txt .md "
                    ".rst .jsonl)")
@@ -57,6 +60,7 @@ def parse_args() -> DraftTrainConfig:
                   intermediate_size=a.intermediate_size, init_from=a.init_from, num_modules=a.num_modules,
                   hidden_feedback=a.hidden_feedback, rollout_sequences=a.rollouts,
                   rollout_prompt_tokens=a.rollout_prompt_tokens, rollout_share=a.rollout_share,
+                  rollouts_file=a.rollouts_file, tv_weight=a.tv_weight,
                   heldout_every=a.heldout_every, save_dtype=a.save_dtype,
                   time_budget_s=60 * a.minutes if a.minutes else None, save_every=a.save_every, resume=a.resume,
                   device=a.device, seed=a.seed)

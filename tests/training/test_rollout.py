@@ -1,5 +1,6 @@
 """Self-distillation rollouts: prompts are windows of the stream, the greedy half is the target's own greedy
 continuation, the sampled half depends on the seed only, and train_draft mixes them into its batches."""
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -46,3 +47,16 @@ def test_train_draft_with_rollouts_reports_both_heldout_sets():
                                       rollout_share=0.5))
     assert result.summary["rollout_tokens"] == 4 * 48
     assert set(result.summary["heldout_rollouts"]) >= {"loss", "acc0", "acc1", "acc2"}
+
+
+def test_rollouts_file_is_written_once_and_reused(tmp_path):
+    path = tmp_path / "rollouts.pt"
+    settings = dict(steps=1, rollout_sequences=4, rollout_prompt_tokens=8, rollouts_file=str(path))
+    train_draft(train_config("mtp", "run-rollouts-file", **settings))
+    written = torch.load(path)
+    assert written.shape == (4, 48)
+    torch.save(written.flip(0), path)  # a marker: a rerun that regenerated would overwrite it
+    again = train_draft(train_config("mtp", "run-rollouts-file", **settings))
+    assert again.summary["rollout_tokens"] == 4 * 48 and torch.equal(torch.load(path), written.flip(0))
+    with pytest.raises(ValueError, match="rollouts of shape"):
+        train_draft(train_config("mtp", "run-rollouts-file", **{**settings, "rollout_sequences": 6}))

@@ -62,7 +62,7 @@ def test_trained_mtp_module_loads_and_decodes_losslessly():
 
 def test_vanilla_mtp_two_modules():
     result = train_draft(train_config("mtp", "run-vanilla", num_modules=2, ttt_steps=2, steps=3))
-    assert set(result.summary["last_step"]) == {"loss", "acc0", "acc1"}
+    assert set(result.summary["last_step"]) == {"loss", "acc0", "acc1", "overlap0", "overlap1"}
     config = MTPConfig(num_nextn_predict_layers=2, use_mtp_vanilla=True, mtp_checkpoint=str(result.out))
     check_lossless(SpecModel.from_pretrained(tiny_target(), config, max_batch_size=3))
 

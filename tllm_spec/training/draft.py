@@ -56,6 +56,10 @@ class DraftTrainConfig(BaseModel):
                                    "prompts generated before training, half greedy, half at T = 1 (0: none)")
     rollout_prompt_tokens: int = Field(64, ge=1, description="prompt length of each rollout")
     rollout_share: float = Field(0.5, ge=0.0, le=1.0, description="fraction of each batch drawn from the rollouts")
+    rollouts_file: str | None = Field(None, description="read the rollouts from this file if it exists (they must "
+                                      "match rollout_sequences and seq_len), else generate and write them there")
+    tv_weight: float = Field(0.0, ge=0.0, description="weight of a total-variation term added to the soft-label "
+                             "loss: it trains the acceptance of rejection sampling at T = 1 directly")
     heldout_every: int = Field(HELDOUT_EVERY, ge=0, description="hold out every Nth file (0: none)")
     suffixes: tuple[str, ...] = TEXT_SUFFIXES
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -106,8 +110,7 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
     model = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
     if rollouts is None and cfg.rollout_sequences:
-        rollouts = generate_rollouts(model, stream, cfg.rollout_sequences, cfg.rollout_prompt_tokens, cfg.seq_len,
-                                     seed=cfg.seed)
+        rollouts = _rollouts(cfg, model, stream)
     num_rollout_rows = round(cfg.batch_size * cfg.rollout_share) if rollouts is not None else 0
     trainer, teacher = _build(cfg, model, stream, tokenizer.eos_token_id)
     trainer.train()
@@ -136,6 +139,23 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
     return DraftTrainResult(out, result.losses, summary)
 
 
+def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor) -> torch.Tensor:
+    """[rollout_sequences, seq_len] int32: read from cfg.rollouts_file, or generated (and written there)."""
+    path = Path(cfg.rollouts_file) if cfg.rollouts_file else None
+    if path is not None and path.is_file():
+        rollouts = torch.load(path)
+        if tuple(rollouts.shape) != (cfg.rollout_sequences, cfg.seq_len):
+            raise ValueError(f"{path}: rollouts of shape {tuple(rollouts.shape)}, this run needs "
+                             f"({cfg.rollout_sequences}, {cfg.seq_len}): delete the file or match the settings")
+        return rollouts
+    rollouts = generate_rollouts(model, stream, cfg.rollout_sequences, cfg.rollout_prompt_tokens, cfg.seq_len,
+                                 seed=cfg.seed)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(rollouts, path)
+    return rollouts
+
+
 def _batch(stream: torch.Tensor, rollouts: torch.Tensor | None, num_text_rows: int, num_rollout_rows: int,
            cfg: DraftTrainConfig, step: int) -> torch.Tensor:
     """[batch_size, seq_len] int64: random windows of the training text, then random rollouts."""
@@ -156,17 +176,17 @@ def _build(cfg: DraftTrainConfig, model, stream: torch.Tensor, eos_token_id: int
             for i, (module, state) in enumerate(zip(modules, ckpt.modules)):
                 module.load_canonical(state, lambda key, i=i: ckpt.disk_name(i, key))
         return MTPTrainer(modules, teacher, cfg.num_modules if cfg.num_modules > 1 else cfg.ttt_steps,
-                          cfg.hidden_feedback), teacher
+                          cfg.hidden_feedback, cfg.tv_weight), teacher
     if cfg.init_from:
         ckpt, vocab = load_head(demo.resolve(cfg.init_from), model)
         teacher = Teacher(model, resolve_capture_layers(cfg.aux_layers, ckpt.config.aux_layer_ids, num_layers))
-        return Eagle3Trainer(head_from_checkpoint(ckpt, teacher), vocab, cfg.ttt_steps), teacher
+        return Eagle3Trainer(head_from_checkpoint(ckpt, teacher), vocab, cfg.ttt_steps, cfg.tv_weight), teacher
     aux = tuple(cfg.aux_layers or default_aux_layers(num_layers))
     teacher = Teacher(model, aux)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     vocab = build_draft_vocab(token_counts(stream, vocab_size), cfg.draft_vocab or vocab_size, [eos_token_id])
     head = head_config(model.config, vocab.size, aux, cfg.intermediate_size)
-    return Eagle3Trainer(init_head(head, teacher, vocab, cfg.seed), vocab, cfg.ttt_steps), teacher
+    return Eagle3Trainer(init_head(head, teacher, vocab, cfg.seed), vocab, cfg.ttt_steps, cfg.tv_weight), teacher
 
 
 def _save(cfg: DraftTrainConfig, trainer: Eagle3Trainer | MTPTrainer, out: Path, num_target_layers: int) -> None:

@@ -90,11 +90,11 @@ def head_from_checkpoint(ckpt: Eagle3Checkpoint, teacher: Teacher) -> Eagle3Draf
 class Eagle3Trainer(nn.Module):
     """Loss and per-level accuracy of an :class:`Eagle3DraftModel` unrolled over ``ttt_steps`` levels."""
 
-    def __init__(self, draft: Eagle3DraftModel, vocab: DraftVocab, ttt_steps: int):
+    def __init__(self, draft: Eagle3DraftModel, vocab: DraftVocab, ttt_steps: int, tv_weight: float = 0.0):
         super().__init__()
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
-        self.draft, self.ttt_steps = draft, ttt_steps
+        self.draft, self.ttt_steps, self.tv_weight = draft, ttt_steps, tv_weight  # tv_weight: see distill_level
         reduced = vocab.size < vocab.t2d.numel()
         device = draft.lm_head.weight.device
         self.register_buffer("draft_ids", vocab.draft_ids.to(device) if reduced else None, persistent=False)
@@ -105,7 +105,7 @@ class Eagle3Trainer(nn.Module):
         return [p for p in self.draft.parameters() if p.requires_grad]
 
     def forward(self, input_ids: torch.Tensor, teacher: TeacherOutputs) -> tuple[torch.Tensor, dict[str, float]]:
-        """input_ids [B, S] -> (weighted loss [], {"loss", "acc0", "acc1", ...})."""
+        """input_ids [B, S] -> (weighted loss [], {"loss", "acc0", "overlap0", "acc1", ...})."""
         seq_len = input_ids.shape[1]
         total, metrics = 0.0, {}
         for j, (hidden, weight) in enumerate(zip(self.unroll(teacher.aux, input_ids), level_weights(self.ttt_steps))):
@@ -113,9 +113,9 @@ class Eagle3Trainer(nn.Module):
             if n <= 0:
                 break
             logits = self.draft.lm_head(self.draft.norm(hidden[:, :n]))
-            loss, acc = distill_level(logits, teacher.logits[:, j + 1:], self.draft_ids, self.t2d)
-            total = total + weight * loss
-            metrics[f"acc{j}"] = acc.item()
+            fit = distill_level(logits, teacher.logits[:, j + 1:], self.draft_ids, self.t2d, self.tv_weight)
+            total = total + weight * fit.loss
+            metrics[f"acc{j}"], metrics[f"overlap{j}"] = fit.accuracy.item(), fit.overlap.item()
         metrics["loss"] = float(total.detach())
         return total, metrics
 

@@ -180,8 +180,10 @@ class _Plan:
 
 
 def _postfix(metrics: dict[str, float], lr: float, best: _Best | None) -> str:
-    accs = "/".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith("acc"))
-    text = f"loss={metrics.get('loss', float('nan')):.3f}" + (f" acc={accs}" if accs else "") + f" lr={lr:.1e}"
+    accs, overlaps = ("/".join(f"{metrics[k]:.2f}" for k in sorted(metrics) if k.startswith(p))
+                      for p in ("acc", "overlap"))
+    text = (f"loss={metrics.get('loss', float('nan')):.3f}" + (f" acc={accs}" if accs else "")
+            + (f" ov={overlaps}" if overlaps else "") + f" lr={lr:.1e}")
     return text + (f" val={best.value:.3f}@{best.step}" if best is not None and best.state is not None else "")
 
 

@@ -48,7 +48,7 @@ class MTPTrainer(nn.Module):
     this module's parameters."""
 
     def __init__(self, modules: list[MTPModule], teacher: Teacher, ttt_steps: int,
-                 hidden_feedback: str = "post_norm"):
+                 hidden_feedback: str = "post_norm", tv_weight: float = 0.0):
         super().__init__()
         if hidden_feedback not in ("pre_norm", "post_norm"):
             raise ValueError(f"hidden_feedback must be 'pre_norm' or 'post_norm', got {hidden_feedback!r}")
@@ -58,6 +58,7 @@ class MTPTrainer(nn.Module):
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.mtp_modules = nn.ModuleList(modules)
         self.ttt_steps, self.feed_post_norm = ttt_steps, hidden_feedback == "post_norm"
+        self.tv_weight = tv_weight  # see distill_level
         self._teacher = teacher  # not an nn.Module: its weights are not ours
 
     @property
@@ -68,7 +69,7 @@ class MTPTrainer(nn.Module):
         return list(self.mtp_modules.parameters())
 
     def forward(self, input_ids: torch.Tensor, teacher: TeacherOutputs) -> tuple[torch.Tensor, dict[str, float]]:
-        """input_ids [B, S] -> (weighted loss [], {"loss", "acc0", ...})."""
+        """input_ids [B, S] -> (weighted loss [], {"loss", "acc0", "overlap0", ...})."""
         seq_len = input_ids.shape[1]
         total, metrics = 0.0, {}
         levels = self.unroll(teacher.hidden, input_ids)
@@ -77,9 +78,9 @@ class MTPTrainer(nn.Module):
             if n <= 0:
                 break
             logits = self._teacher.lm_head(self._module(j).shared_head["norm"](out[:, :n]))
-            loss, acc = distill_level(logits, teacher.logits[:, j + 1:], None, None)
-            total = total + weight * loss
-            metrics[f"acc{j}"] = acc.item()
+            fit = distill_level(logits, teacher.logits[:, j + 1:], None, None, self.tv_weight)
+            total = total + weight * fit.loss
+            metrics[f"acc{j}"], metrics[f"overlap{j}"] = fit.accuracy.item(), fit.overlap.item()
         metrics["loss"] = float(total.detach())
         return total, metrics
 

@@ -51,28 +51,40 @@ class Teacher:
         return TeacherOutputs(hidden, aux, self.lm_head(hidden))
 
 
+@dataclass(frozen=True)
+class LevelFit:
+    loss: torch.Tensor  # [] what is trained
+    accuracy: torch.Tensor  # [] draft argmax == target argmax: the greedy acceptance proxy
+    overlap: torch.Tensor  # [] mean sum_i min(p_i, q_i): the acceptance probability of a T = 1 draft sample
+
+
 def distill_level(draft_logits: torch.Tensor, target_logits: torch.Tensor, draft_ids: torch.Tensor | None,
-                  t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft-label cross-entropy of one draft level against the target's distribution, and accuracy.
+                  t2d: torch.Tensor | None, tv_weight: float = 0.0) -> LevelFit:
+    """Soft-label cross-entropy of one draft level against the target's distribution, plus ``tv_weight`` times
+    the total-variation distance (the rejection probability of rejection sampling at T = 1, trained directly).
 
     draft_logits [B, N, Vd] (draft vocabulary); target_logits [B, N, V] for the same predicted tokens;
     draft_ids [Vd] (target id of each draft id) and t2d [V] bool, or None when Vd == V. As in EAGLE-3 /
-    SpecForge the target distribution is renormalised over the draft vocabulary and positions whose target
-    argmax has no draft id are left out of the loss. Returns (loss [], accuracy []): the fraction of positions
-    where the draft's argmax is the target's argmax (a greedy-acceptance proxy, every position counted).
+    SpecForge the target distribution is renormalised over the draft vocabulary for the loss, and positions
+    whose target argmax has no draft id are left out of it. The accuracy and the overlap count every position,
+    the overlap against the target's full distribution (its mass outside the draft vocabulary is never met).
     """
     target_top = target_logits.argmax(-1)  # [B, N]
     keep = torch.ones_like(target_top, dtype=torch.bool) if t2d is None else t2d[target_top]
-    if draft_ids is not None:
-        target_logits = target_logits[..., draft_ids]
     p = F.softmax(target_logits.float(), dim=-1)
-    ce = -(p * F.log_softmax(draft_logits.float(), dim=-1)).sum(-1)  # [B, N]
-    loss = (ce * keep).sum() / keep.sum().clamp(min=1)
+    if draft_ids is not None:
+        p = p[..., draft_ids]
+    p_draft = p / p.sum(-1, keepdim=True)
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)
+    per_position = -(p_draft * log_q).sum(-1)  # [B, N]
+    overlap = torch.minimum(p, log_q.exp()).sum(-1)  # [B, N]
+    if tv_weight:
+        per_position = per_position + tv_weight * (1 - torch.minimum(p_draft, log_q.exp()).sum(-1))
+    loss = (per_position * keep).sum() / keep.sum().clamp(min=1)
     draft_top = draft_logits.argmax(-1)
     if draft_ids is not None:
         draft_top = draft_ids[draft_top]
-    accuracy = (draft_top == target_top).float().mean()
-    return loss, accuracy
+    return LevelFit(loss, (draft_top == target_top).float().mean(), overlap.detach().mean())
 
 
 def shift_ids(input_ids: torch.Tensor, shift: int) -> torch.Tensor:
