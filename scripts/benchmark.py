@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tllm_spec.benchmark import (format_profile, hf_generate_tokens_per_second, measure_bandwidth, profile_step,
-                                 run_point, to_rows)
+                                 run_point, sweep_draft_len, to_rows)
 from tllm_spec.parallel import local_process_device
 from tllm_spec.random_models import SHAPES, random_spec_model
 from tllm_spec.spec_model import SpecModel
@@ -45,6 +45,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target over N GPUs (torchrun "
                    "--nproc-per-node N); HF generate is then skipped")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1")
+    p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
+                   "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
+    p.add_argument("--sweep-acceptance", type=float, default=0.7, help="per-draft acceptance rate of the sweep: "
+                   "k drafts accept sum_i a^i on average (0.7 gives 1.53 of 3)")
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json")
     return p.parse_args()
@@ -101,6 +105,8 @@ def main() -> None:
             continue
         default_models = (plain, spec)
     plain, spec = default_models
+    if args.draft_len_sweep:
+        sweep(spec, args, bandwidth["gemv"], results, out, first)
     if args.profile:
         for model, forced in ((plain, None), (spec, float(k))):
             results["profile"].append(profile_step(model, 1, args.prompt_len, forced))
@@ -118,6 +124,21 @@ def main() -> None:
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     plot(results, out / "benchmark.png")
+
+
+def sweep(spec: SpecModel, args: argparse.Namespace, bandwidth: float, results: dict, out: Path, first: bool) -> None:
+    points, schedule = sweep_draft_len(spec, args.batches, args.prompt_len, args.new_tokens, args.sweep_acceptance,
+                                       bandwidth)
+    results["draft_len_sweep"] = {"acceptance": args.sweep_acceptance, "points": to_rows(points),
+                                  "schedule": schedule}
+    if not first:
+        return
+    (out / "benchmark.json").write_text(json.dumps(results, indent=2))
+    for p in points:
+        tqdm.write(f"sweep batch {p.batch:3d} draft_len {p.draft_len} forced {p.forced_drafts or 0:.2f} step "
+                   f"{p.step_ms:7.2f} ms {p.tokens_per_second:9.1f} tok/s")
+    print(f"fastest draft length per batch size at acceptance {args.sweep_acceptance}: "
+          f"draft_len_schedule={schedule}")
 
 
 def table(results: dict) -> str:

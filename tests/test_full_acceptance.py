@@ -25,8 +25,8 @@ class OracleWorker(Eagle3OneModelWorker):
         rows = []
         for slot, pos in zip(attn.token_slots[last].tolist(), attn.positions[last].tolist()):
             seq = self.sequences[slot]  # token at position pos+1 is the last accepted; drafts follow it
-            rows.append(seq[pos + 2:pos + 2 + self.max_draft_len])
-        return torch.tensor(rows, dtype=torch.int64)
+            rows.append(seq[pos + 2:pos + 2 + spec_metadata.next_draft_len])
+        return torch.tensor(rows, dtype=torch.int64).view(len(rows), spec_metadata.next_draft_len)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -50,8 +50,8 @@ def test_fast_path_gives_the_tokens_of_the_sampling_path(monkeypatch, sampler_ca
     fast = [o.token_ids for o in model.generate(PROMPTS, GREEDY)]
     prepare = SpecMetadata.prepare
 
-    def without_fast_path(self, params, context_lens):
-        prepare(self, params, context_lens)
+    def without_fast_path(self, params, context_lens, *draft_lens):
+        prepare(self, params, context_lens, *draft_lens)
         self.all_greedy = False
 
     monkeypatch.setattr(SpecMetadata, "prepare", without_fast_path)

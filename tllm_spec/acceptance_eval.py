@@ -119,11 +119,13 @@ def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]]
                 print(f"{name} T={temperature:g}: mean accepted length {stats['mean_accepted_length']:.3f}, "
                       f"per position {stats['acceptance_rate_per_position']}, histogram {stats['histogram']}",
                       flush=True)
-    models = {"plain": load(target, None, device, dtype, max_seq_len), **models}
-    speed = throughput(models, prompts[:speed_prompts], max_new_tokens, repeats)
-    for name in heads:
-        speed[name]["speedup"] = round(speed[name]["tokens_per_s"] / speed["plain"]["tokens_per_s"], 3)
-    result["speed"] = speed
+    result["speed"] = {}
+    if speed_prompts > 0:  # 0: acceptance only
+        models = {"plain": load(target, None, device, dtype, max_seq_len), **models}
+        speed = throughput(models, prompts[:speed_prompts], max_new_tokens, repeats)
+        for name in heads:
+            speed[name]["speedup"] = round(speed[name]["tokens_per_s"] / speed["plain"]["tokens_per_s"], 3)
+        result["speed"] = speed
     return result
 
 
@@ -132,12 +134,14 @@ def format_table(result: dict[str, object]) -> str:
     lines = ["| head | T | mean accepted length | acceptance per position | histogram | tokens/s (speedup) |",
              "|---|---|---|---|---|---|"]
     speed = result["speed"]
-    lines.append(f"| none (plain) | 0 | 1.00 | - | - | {speed['plain']['tokens_per_s']:.1f} |")
+    if speed:
+        lines.append(f"| none (plain) | 0 | 1.00 | - | - | {speed['plain']['tokens_per_s']:.1f} |")
     for name, head in result["heads"].items():
         for key, stats in head.items():
             if not key.startswith("T="):
                 continue
-            tps = f"{speed[name]['tokens_per_s']:.1f} ({speed[name]['speedup']:.2f}x)" if key == "T=0" else "-"
+            timed = speed and key == "T=0"
+            tps = f"{speed[name]['tokens_per_s']:.1f} ({speed[name]['speedup']:.2f}x)" if timed else "-"
             rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
             lines.append(f"| {name} | {key[2:]} | {stats['mean_accepted_length']:.2f} | {rates} | "
                          f"{stats['histogram']} | {tps} |")

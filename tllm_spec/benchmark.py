@@ -18,6 +18,7 @@ class Point:
 
     mode: str  # "eagle3" or "none"
     batch: int
+    draft_len: int  # drafts proposed per step (0 for "none", and for an "eagle3" step scheduled without drafts)
     forced_drafts: float | None  # forced accepted drafts per step (None: no speculation)
     step_ms: float
     host_ms_per_step: float
@@ -55,8 +56,10 @@ def _param_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()
     return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skipped)
 
 
-def step_bytes(model: SpecModel, batch: int, context_len: float) -> float:
-    """Bytes a generation step must read at least: target weights once, draft weights per pass, KV."""
+def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int | None = None) -> float:
+    """Bytes a generation step must read at least: target weights once, draft weights per pass, KV.
+    ``draft_len``: the step's drafts (default max_draft_len); with 0 the draft's first pass still reads its
+    layer (it keeps the draft cache whole) but not its lm_head."""
     target = model.target
     embed = target.decoder.embed_tokens
     tied = embed.weight is target.lm_head.weight
@@ -65,13 +68,14 @@ def step_bytes(model: SpecModel, batch: int, context_len: float) -> float:
     elem = kv.k[0].element_size()
     per_token_kv = [2 * k.shape[2] * k.shape[3] * elem for k in kv.k]
     total += batch * context_len * sum(per_token_kv[:target.num_layers])
-    k = model.max_draft_len
-    if k:
+    k = model.max_draft_len if draft_len is None else draft_len
+    if model.max_draft_len:
         draft = model.worker.draft_model
         fc = _param_bytes(draft.fc)
         shared = (draft.embed_tokens,) if draft.embed_tokens is embed else ()
         per_pass = _param_bytes(draft, skip=(draft.fc, draft.embed_tokens, *shared))
-        total += fc + k * per_pass + k * batch * context_len * sum(per_token_kv[target.num_layers:])
+        passes = k * per_pass if k else _param_bytes(draft.midlayer)
+        total += fc + passes + max(k, 1) * batch * context_len * sum(per_token_kv[target.num_layers:])
     return total
 
 
@@ -89,14 +93,52 @@ def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, fo
     model.generate(prompts, params.model_copy(update={"max_new_tokens": 2 * model.max_draft_len + 4}))  # capture
     torch.cuda.reset_peak_memory_stats(model.device)
     stats = model.generate(prompts, params, seed=seed).stats
-    per_step = stats["mean_accepted_length"] or 1.0
+    draft_len = model.draft_len_for(batch)
+    per_step = (stats["mean_accepted_length"] if draft_len else 0.0) or 1.0
     step_s = stats["step_ms"] / 1e3
-    bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2)
+    bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2, draft_len)
     roofline_tps = batch * per_step * bandwidth / bytes_per_step
     tps = stats["mean_decode_batch"] * per_step / step_s
-    return Point("eagle3" if model.max_draft_len else "none", batch, forced, stats["step_ms"],
+    return Point("eagle3" if model.max_draft_len else "none", batch, draft_len, forced, stats["step_ms"],
                  stats["host_ms_per_step"], per_step, tps, bytes_per_step, roofline_tps, tps / roofline_tps,
                  torch.cuda.max_memory_allocated(model.device) / 2**30)
+
+
+def expected_accepted_drafts(draft_len: int, acceptance: float) -> float:
+    """Mean accepted drafts of a chain of ``draft_len`` drafts when each is accepted with probability
+    ``acceptance`` given the ones before: sum_{i=1..k} a^i."""
+    return sum(acceptance ** i for i in range(1, draft_len + 1))
+
+
+def sweep_draft_len(model: SpecModel, batches: list[int], prompt_len: int, new_tokens: int, acceptance: float,
+                    bandwidth: float) -> tuple[list[Point], dict[int, int]]:
+    """Every draft length 0..K at every batch size, acceptance forced to :func:`expected_accepted_drafts`
+    (a realistic chain rather than a perfect draft); returns the points and the fastest draft length per
+    batch size as a ``draft_len_schedule``. The model's own schedule is restored afterwards."""
+    saved, points = model.draft_len_schedule, []
+    try:
+        for batch in batches:
+            for k in range(model.max_draft_len + 1):
+                model.set_draft_len_schedule({1: k})
+                forced = expected_accepted_drafts(k, acceptance) if k else None
+                points.append(run_point(model, batch, prompt_len, new_tokens, forced, bandwidth))
+    finally:
+        model.set_draft_len_schedule(saved)
+    return points, best_schedule(points)
+
+
+def best_schedule(points: list[Point]) -> dict[int, int]:
+    """{batch: fastest draft length} over the measured batch sizes, with the smallest batch keyed 1 (what a
+    draft_len_schedule needs) and repeated lengths merged into the smaller key."""
+    fastest = {}
+    for batch in sorted({p.batch for p in points}):
+        fastest[batch] = max((p for p in points if p.batch == batch), key=lambda p: p.tokens_per_second).draft_len
+    schedule, last = {}, None
+    for i, (batch, k) in enumerate(fastest.items()):
+        if k != last:
+            schedule[1 if i == 0 else batch] = k
+            last = k
+    return schedule
 
 
 def hf_generate_tokens_per_second(model: SpecModel, batch: int, prompt_len: int, new_tokens: int,
@@ -149,7 +191,8 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
         raise ValueError("profile_step profiles the CUDA-graph step: build the model without enforce_eager")
     prompts = [list(range(1, prompt_len + 1))] * batch
     model.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # captures; fills the inputs
-    graph = model.graph_runner.graphs[(model.graph_runner.bucket(batch), *model.spec_metadata.variant)][0]
+    k = model.draft_len_for(batch)
+    graph = model.graph_runner.graphs[(model.graph_runner.bucket(batch), k, k, *model.spec_metadata.variant)][0]
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

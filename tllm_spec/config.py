@@ -74,12 +74,32 @@ class SamplingParams(_Frozen):
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
+_SCHEDULE_DESCRIPTION = (
+    "drafts per step by batch size (TensorRT-LLM's draft_len_schedule): {1: 3, 32: 2, 128: 0} drafts 3 tokens "
+    "for batches of 1-31 requests, 2 for 32-127 and none from 128 on (the target then verifies no drafts; the "
+    "draft network still reads the step so its cache stays whole). Must have the key 1; lengths lie in "
+    "0..max_draft_len. None: max_draft_len at every batch size. scripts/benchmark.py --draft-len-sweep measures "
+    "one for a GPU and a model shape")
+
+
+def check_draft_len_schedule(schedule: dict[int, int] | None, max_draft_len: int) -> None:
+    if schedule is None:
+        return
+    if 1 not in schedule:
+        raise ValueError(f"draft_len_schedule must give batch size 1 a draft length, got {schedule}")
+    bad = {b: k for b, k in schedule.items() if b < 1 or not 0 <= k <= max_draft_len}
+    if bad:
+        raise ValueError(f"draft_len_schedule: batch sizes must be >= 1 and draft lengths in 0..{max_draft_len}; "
+                         f"got {bad}")
+
+
 class Eagle3Config(_Frozen):
     """EAGLE-3 one-model speculative decoding: a draft head fed three target hidden states."""
 
     decoding_type: Literal["eagle3"] = "eagle3"
     speculative_model: str = Field(description="directory of the EAGLE-3 head (config.json + safetensors)")
     max_draft_len: int = Field(3, ge=1, le=16, description="K: drafts proposed per step")
+    draft_len_schedule: dict[int, int] | None = Field(None, description=_SCHEDULE_DESCRIPTION)
     eagle3_one_model: bool = Field(True, description="draft inside the target forward (the only mode run here)")
     eagle3_layers_to_capture: tuple[int, ...] | None = Field(
         None, description="0-based target decoder layers whose OUTPUT feeds the head (TensorRT-LLM convention: "
@@ -95,6 +115,7 @@ class Eagle3Config(_Frozen):
         if layers is not None and (len(layers) != 3 or min(layers) < 0):
             raise ValueError(f"eagle3_layers_to_capture must be 3 non-negative layer ids (repeats allowed), "
                              f"got {layers}")
+        check_draft_len_schedule(self.draft_len_schedule, self.max_draft_len)
         return self
 
     @property
@@ -109,6 +130,7 @@ class MTPConfig(_Frozen):
     decoding_type: Literal["mtp"] = "mtp"
     num_nextn_predict_layers: int = Field(1, ge=1, le=16, description="MTP modules to load from the checkpoint")
     max_draft_len: int | None = Field(None, ge=1, le=16, description="K; default num_nextn_predict_layers")
+    draft_len_schedule: dict[int, int] | None = Field(None, description=_SCHEDULE_DESCRIPTION + " (MTP-Eagle only)")
     use_mtp_vanilla: bool = Field(False, description="N distinct modules applied in sequence (TRT-LLM MTP)")
     mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
     mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")
@@ -138,6 +160,9 @@ class MTPConfig(_Frozen):
             raise ValueError("max_draft_len: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
         if self.use_mtp_vanilla and self.mtp_layer_selection != "first":
             raise ValueError("mtp_layer_selection is an MTP-Eagle option (vanilla MTP runs module k for step k)")
+        if self.use_mtp_vanilla and self.draft_len_schedule is not None:
+            raise ValueError("draft_len_schedule: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
+        check_draft_len_schedule(self.draft_len_schedule, self.num_draft_tokens)
         if self.use_relaxed_acceptance_for_thinking and (
                 self.begin_thinking_phase_token is None or self.end_thinking_phase_token is None):
             raise ValueError("begin_thinking_phase_token/end_thinking_phase_token are required with "

@@ -1,5 +1,6 @@
-"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket and sampling
-variant (all-greedy argmax / sampled / sampled with request seeds, known on the host from the SamplingParams).
+"""CUDA graphs for generation-only steps: one captured SpecModel.forward per batch-size bucket, draft lengths
+(verified, proposed: both max_draft_len unless a draft-length schedule changes them) and sampling variant
+(all-greedy argmax / sampled / sampled with request seeds, known on the host from the SamplingParams).
 
 Inputs live in one static int64 buffer (token ids, positions, slots, drafts), refilled by a single
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .attention import AttentionMetadata
@@ -34,9 +36,13 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-def pack_outputs(out: dict[str, torch.Tensor]) -> torch.Tensor:
-    """new_tokens [B,K+1] | new_tokens_lens [B,1] | next_new_tokens [B,K+1] -> [B, 2K+3] int64 (one D2H copy)."""
-    return torch.cat([out["new_tokens"], out["new_tokens_lens"][:, None], out["next_new_tokens"]], dim=1)
+def pack_outputs(out: dict[str, torch.Tensor], max_draft_len: int) -> torch.Tensor:
+    """new_tokens [B, k+1] | new_tokens_lens [B, 1] | next_new_tokens [B, k'+1], each token block zero-padded
+    to K+1 columns (K = max_draft_len) -> [B, 2K+3] int64 (one D2H copy)."""
+    def padded(tokens: torch.Tensor) -> torch.Tensor:
+        return F.pad(tokens, (0, max_draft_len + 1 - tokens.shape[1]))
+    return torch.cat([padded(out["new_tokens"]), out["new_tokens_lens"][:, None], padded(out["next_new_tokens"])],
+                     dim=1)
 
 
 class CUDAGraphRunner:
@@ -49,7 +55,8 @@ class CUDAGraphRunner:
         max_tokens = self.buckets[-1] * (self.k + 1)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
         self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64).pin_memory()
-        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket, variant
+        # (bucket, draft_len, next_draft_len, all_greedy, has_request_seeds) -> (graph, packed outputs)
+        self.graphs: dict[tuple[int, int, int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def bucket(self, batch_size: int) -> int | None:
@@ -58,52 +65,63 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture_all(self, params: Sequence[SamplingParams] = (_DUMMY,), progress: bool = True) -> None:
         """Capture every bucket now (on all-padding inputs) in each sampling variant a batch of ``params``
-        can take, so no step later pays for a capture. The first capture also pays for torch.compile
-        (Inductor's on-disk cache makes a second start quick)."""
+        can take and each draft length the schedule gives its batch sizes, so no steady step later pays for a
+        capture (a step where the schedule changes the draft length captures its graph on first use). The first
+        capture also pays for torch.compile (Inductor's on-disk cache makes a second start quick)."""
         examples = {sampling_variant([p]): p for p in params}  # a batch's variant is one of its requests'
-        todo = [(size, variant, example) for size in self.buckets for variant, example in examples.items()
-                if (size, *variant) not in self.graphs]
+        todo = [(size, k, variant, example) for size, k in self._bucket_draft_lens()
+                for variant, example in examples.items() if (size, k, k, *variant) not in self.graphs]
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
-        for size, variant, example in bar:
-            bar.set_postfix_str(f"batch {size}")
-            self._fill([], [], [], [], [], size, pad_params=example)
-            self.graphs[(size, *variant)] = self._capture(size)
+        for size, k, variant, example in bar:
+            bar.set_postfix_str(f"batch {size}, {k} drafts")
+            self._fill([], [], [], [], [], size, k, k, pad_params=example)
+            self.graphs[(size, k, k, *variant)] = self._capture(size, k)
+
+    def _bucket_draft_lens(self) -> list[tuple[int, int]]:
+        """(bucket, draft length) for every draft length the schedule gives a batch size in the bucket."""
+        pairs, low = [], 1
+        for size in self.buckets:
+            pairs += [(size, k) for k in sorted({self.model.draft_len_for(b) for b in range(low, size + 1)})]
+            low = size + 1
+        return pairs
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
-            params: list[SamplingParams]) -> torch.Tensor:
-        """One generation-only step; returns the packed outputs [B, 2K+3] of the real requests."""
+            params: list[SamplingParams], draft_len: int, next_draft_len: int) -> torch.Tensor:
+        """One generation-only step (``draft_len`` drafts verified per request, ``next_draft_len`` proposed);
+        returns the packed outputs [B, 2K+3] of the real requests."""
         size = self.bucket(len(params))
-        self._fill(ids, positions, slots, drafts, params, size)
-        key = (size, *self.model.spec_metadata.variant)
+        self._fill(ids, positions, slots, drafts, params, size, draft_len, next_draft_len)
+        key = (size, draft_len, next_draft_len, *self.model.spec_metadata.variant)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(size)
+            self.graphs[key] = self._capture(size, draft_len)
         graph, packed = self.graphs[key]
         graph.replay()
         return packed[:len(params)]
 
     def _fill(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
-              params: list[SamplingParams], size: int, pad_params: SamplingParams = _DUMMY) -> None:
+              params: list[SamplingParams], size: int, draft_len: int, next_draft_len: int,
+              pad_params: SamplingParams = _DUMMY) -> None:
         """Copy one step's inputs, padded to ``size`` requests (``pad_params``: greedy by default), into the
         static buffers."""
-        pad = size - len(params)
-        tokens = size * (self.k + 1)
+        pad, per_request = size - len(params), draft_len + 1
+        tokens = size * per_request
         pad_slot = self.model.kv_cache.padding_slot
-        rows = (ids + [0] * (pad * (self.k + 1)), positions + list(range(self.k + 1)) * pad,
-                slots + [pad_slot] * (pad * (self.k + 1)), drafts + [0] * (pad * self.k + size))
+        rows = (ids + [0] * (pad * per_request), positions + list(range(per_request)) * pad,
+                slots + [pad_slot] * (pad * per_request), drafts + [0] * (pad * draft_len + size))
         self.host_inputs[:, :tokens] = torch.tensor(rows, dtype=torch.int64)
         self.inputs[:, :tokens].copy_(self.host_inputs[:, :tokens], non_blocking=True)
-        self.model.spec_metadata.prepare(params + [pad_params] * pad, ())
+        self.model.spec_metadata.prepare(params + [pad_params] * pad, (), draft_len, next_draft_len)
 
-    def _forward(self, size: int) -> torch.Tensor:
-        tokens = size * (self.k + 1)
+    def _forward(self, size: int, draft_len: int) -> torch.Tensor:
+        tokens = size * (draft_len + 1)
         ids, positions, slots = self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens]
-        drafts = self.inputs[3, :size * self.k].view(size, self.k)
+        drafts = self.inputs[3, :size * draft_len].view(size, draft_len)
         kv = self.model.kv_cache
         attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
-                                       tokens_per_request=self.k + 1)
+                                       tokens_per_request=draft_len + 1)
         return self.model.packed_forward(ids, attn, drafts)
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so
         warm-up and capture draw no numbers the caller would see."""
         seed = self.model.spec_metadata.seed.clone()
@@ -111,11 +129,11 @@ class CUDAGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(size)
+                self._forward(size, draft_len)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            packed = self._forward(size)
+            packed = self._forward(size, draft_len)
         self.pool = graph.pool()
         self.model.spec_metadata.seed.copy_(seed)
         return graph, packed

@@ -120,9 +120,15 @@ class Engine:
         return admitted
 
     def _step(self, batch: list[Request], bar: tqdm) -> None:
-        """One forward for the batch (context requests first), then update every request on the host."""
+        """One forward for the batch (context requests first), then update every request on the host.
+
+        Generation requests verify the drafts they hold (every running request holds as many: the previous
+        step proposed them for all) and the step proposes the schedule's number for this batch size."""
         start = time.perf_counter()
         contexts = [r for r in batch if r.is_context]
+        generating = [r for r in batch if not r.is_context]
+        draft_len = len(generating[0].next_input) - 1 if generating else self.k
+        next_draft_len = self.model.draft_len_for(len(batch))
         ids, positions, slots = [], [], []
         for r in batch:
             tokens = r.prompt if r.is_context else r.next_input
@@ -134,7 +140,7 @@ class Engine:
             self.model.worker.guided_decoder.build([r.matcher for r in batch],
                                                    [[] if r.is_context else r.next_input[1:] for r in batch])
         packed = self.model.step(ids, positions, slots, drafts, [r.params for r in batch],
-                                 tuple(len(r.prompt) for r in contexts))
+                                 tuple(len(r.prompt) for r in contexts), draft_len, next_draft_len)
         launched = time.perf_counter()
         host = packed.cpu()  # the step's one device-to-host copy
         waited = time.perf_counter()
@@ -144,8 +150,9 @@ class Engine:
                 r.num_cached = len(r.prompt)
             else:
                 r.num_cached += n
-                r.stats.record(n)
-            r.next_input = row[self.k + 2:]
+                if draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
+                    r.stats.record(n)
+            r.next_input = row[self.k + 2:self.k + 3 + next_draft_len]
             before = len(r.output)
             r.accept(row[:n])
             bar.update(len(r.output) - before)

@@ -19,16 +19,18 @@ def sampling_variant(params: Sequence[SamplingParams]) -> tuple[bool, bool]:
 class SpecMetadata:
     """Sampling parameters and gather ids for one step, in the flat row layout.
 
-    Rows: one per context request (its last prompt token), then ``K + 1`` per generation request.
+    Rows: one per context request (its last prompt token), then ``k + 1`` per generation request, k =
+    ``draft_len`` the drafts each generation request verifies this step (``max_draft_len``, or less under a
+    draft-length schedule); the step proposes ``next_draft_len`` drafts per request.
     Buffers are allocated once for ``max_num_requests`` and refilled in place by :meth:`prepare`, so a
     captured CUDA graph keeps reading the right memory. Greedy requests get ``T = 1, top_k = 1, top_p = 1``
     (the sampler returns their exact argmax); disabled top-k is the vocabulary size, disabled top-p is 1.
 
     Random streams: rows draw from the batch stream (``seed``, ``offset``: advanced in place after every
     draw) unless their request has ``SamplingParams.seed``. Such a row draws from its own stream keyed by
-    (request seed, counter); the counter is ``L0 * (K+1) + j``, L0 the position of the request's first token
-    in the step (strictly increasing from step to step) and j the row (or draft step) within the request —
-    nothing that depends on the rest of the batch. The host-side flags ``all_greedy`` and
+    (request seed, counter); the counter is ``L0 * (K+1) + j`` (K = max_draft_len), L0 the position of the
+    request's first token in the step (strictly increasing from step to step) and j the row (or draft step)
+    within the request — nothing that depends on the rest of the batch. The host-side flags ``all_greedy`` and
     ``has_request_seeds`` are set by :meth:`prepare` from the SamplingParams, without reading the device.
     """
 
@@ -47,13 +49,14 @@ class SpecMetadata:
         self.row_positions = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [R] token position per row
         self.num_context_requests = 0
         self.num_generation_requests = 0
-        self._prepared: tuple[list[SamplingParams], tuple[int, ...]] = ([], ())  # what the rows hold now
+        self.draft_len = self.next_draft_len = max_draft_len
+        self._prepared: tuple = ([], (), max_draft_len)  # params, context lens, draft_len the rows hold now
         self.all_greedy = True
         self.has_request_seeds = False
 
     @property
     def num_rows(self) -> int:
-        return self.num_context_requests + self.num_generation_requests * (self.max_draft_len + 1)
+        return self.num_context_requests + self.num_generation_requests * (self.draft_len + 1)
 
     @property
     def variant(self) -> tuple[bool, bool]:
@@ -64,16 +67,21 @@ class SpecMetadata:
         self.seed.fill_(seed % 2**31)
         self.offset.zero_()
 
-    def prepare(self, params: Sequence[SamplingParams], context_lens: Sequence[int]) -> None:
+    def prepare(self, params: Sequence[SamplingParams], context_lens: Sequence[int], draft_len: int | None = None,
+                next_draft_len: int | None = None) -> None:
         """Fill the rows for ``params`` (context requests first, ``len(context_lens)`` of them).
 
         context_lens: prompt tokens of each context request this step (their tokens come first in the flat
-        token layout, generation requests' K+1 tokens after).
+        token layout, generation requests' draft_len + 1 tokens after). draft_len: drafts each generation
+        request verifies; next_draft_len: drafts the step proposes (both default max_draft_len).
         """
-        if self._holds(params, context_lens):
+        draft_len = self.max_draft_len if draft_len is None else draft_len
+        self.next_draft_len = self.max_draft_len if next_draft_len is None else next_draft_len
+        if self._holds(params, context_lens, draft_len):
             return  # a steady batch: the rows are already there (no host work, no copies)
-        self._prepared = (list(params), tuple(context_lens))
-        num_ctx, rows_per_gen = len(context_lens), self.max_draft_len + 1
+        self._prepared = (list(params), tuple(context_lens), draft_len)
+        self.draft_len = draft_len
+        num_ctx, rows_per_gen = len(context_lens), draft_len + 1
         self.num_context_requests, self.num_generation_requests = num_ctx, len(params) - num_ctx
         self.all_greedy, self.has_request_seeds = sampling_variant(params)
         repeats = torch.tensor([1] * num_ctx + [rows_per_gen] * self.num_generation_requests, dtype=torch.int64)
@@ -92,16 +100,16 @@ class SpecMetadata:
             self.seed_per_row[:rows].copy_(seeds, non_blocking=True)
             self.seeded_rows[:rows].copy_(seeded, non_blocking=True)
 
-    def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int]) -> bool:
-        held, held_lens = self._prepared
-        return (tuple(context_lens) == held_lens and len(params) == len(held)
+    def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int], draft_len: int) -> bool:
+        held, held_lens, held_draft_len = self._prepared
+        return (tuple(context_lens) == held_lens and draft_len == held_draft_len and len(params) == len(held)
                 and all(a is b for a, b in zip(params, held)))
 
     def first_rows(self) -> torch.Tensor:
-        """Index of each request's first row (context: its only row; generation: its K+1 block). [B] int64."""
+        """Index of each request's first row (context: its only row; generation: its k+1 block). [B] int64."""
         num_ctx, num_gen = self.num_context_requests, self.num_generation_requests
         device = self.gather_ids.device
-        gen = num_ctx + torch.arange(num_gen, device=device) * (self.max_draft_len + 1)
+        gen = num_ctx + torch.arange(num_gen, device=device) * (self.draft_len + 1)
         return torch.cat([torch.arange(num_ctx, device=device), gen])
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,7 +131,7 @@ class SpecMetadata:
             return self.seed, self.offset
         rows = self.num_rows
         device = self.row_positions.device
-        gen_rows = torch.arange(rows - self.num_context_requests, device=device) % (self.max_draft_len + 1)
+        gen_rows = torch.arange(rows - self.num_context_requests, device=device) % (self.draft_len + 1)
         within = torch.cat([torch.zeros(self.num_context_requests, dtype=torch.int64, device=device), gen_rows])
         step_start = self.row_positions[:rows] - within  # L0 of the row's request
         return self._row_streams(torch.arange(rows, device=device), step_start * (self.max_draft_len + 1) + within)

@@ -78,7 +78,7 @@ class Request:
     stats: AcceptanceStats
     slot: int = -1
     num_cached: int = 0  # positions whose target K/V are committed
-    next_input: list[int] = field(default_factory=list)  # [last token, K drafts] for the next step
+    next_input: list[int] = field(default_factory=list)  # [last token, drafts] for the next step
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     matcher: GrammarMatcher | None = None  # the request's grammar state (guided decoding), advanced on the host

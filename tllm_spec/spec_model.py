@@ -1,9 +1,10 @@
 """SpecModel: a Hugging Face causal LM with the draft network inside its forward (one-model speculation)."""
 from __future__ import annotations
 
+import bisect
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from . import demo
 from .attention import AttentionMetadata
-from .config import EngineConfig, Eagle3Config, MTPConfig, RunConfig, SamplingParams
+from .config import EngineConfig, Eagle3Config, MTPConfig, RunConfig, SamplingParams, check_draft_len_schedule
 from .drafts.eagle3 import Eagle3DraftModel, resolve_capture_layers
 from .drafts.eagle3_checkpoint import load_eagle3_checkpoint
 from .cuda_graphs import CUDAGraphRunner, pack_outputs
@@ -37,11 +38,12 @@ class SpecModel(nn.Module):
     """The one-model step (:meth:`forward`) and a batched ``generate`` around it."""
 
     def __init__(self, target: TargetModel, worker: SpecWorkerBase, mode: SpeculativeDecodingMode,
-                 engine_config: EngineConfig, tokenizer=None):
+                 engine_config: EngineConfig, tokenizer=None, draft_len_schedule: Mapping[int, int] | None = None):
         super().__init__()
         self.target, self.worker, self.mode, self.tokenizer = target, worker, mode, tokenizer
         self.engine_config = engine_config
         self.max_draft_len = worker.max_draft_len
+        self._schedule = sorted((draft_len_schedule or {1: self.max_draft_len}).items())  # [(min batch, k)]
         self.max_batch_size = engine_config.max_batch_size
         self.max_seq_len = engine_config.max_seq_len or min(
             getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
@@ -97,13 +99,30 @@ class SpecModel(nn.Module):
             worker = build_mtp_worker(target, spec_config, engine_config.max_batch_size)
         else:
             worker = PlainWorker()
-        return cls(target, worker, mode, engine_config, tokenizer)
+        schedule = spec_config.draft_len_schedule if spec_config is not None else None
+        return cls(target, worker, mode, engine_config, tokenizer, schedule)
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig) -> SpecModel:
         """Build from a validated YAML run file (``target_model: None`` = the embedded demo target)."""
         return cls.from_pretrained(cfg.target_model or "demo://target", cfg.spec_config, dtype=cfg.dtype,
                                    device=cfg.device, engine_config=cfg.engine)
+
+    def draft_len_for(self, batch_size: int) -> int:
+        """Drafts per request for a step of ``batch_size`` requests: the schedule's entry with the largest
+        batch-size key <= batch_size (max_draft_len without a schedule)."""
+        return self._schedule[bisect.bisect_right(self._schedule, (batch_size, math.inf)) - 1][1]
+
+    @property
+    def draft_len_schedule(self) -> dict[int, int]:
+        """{smallest batch size: draft length} in effect (``{1: max_draft_len}`` without a schedule)."""
+        return dict(self._schedule)
+
+    def set_draft_len_schedule(self, schedule: Mapping[int, int] | None) -> None:
+        """Replace the draft-length schedule (benchmark sweeps; the config's rules apply). Captured graphs are
+        kept: they are keyed by their draft lengths."""
+        check_draft_len_schedule(dict(schedule) if schedule is not None else None, self.max_draft_len)
+        self._schedule = sorted((schedule or {1: self.max_draft_len}).items())
 
     def refresh_forced_acceptance(self) -> None:
         """Re-read TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS (benchmark sweeps); captured graphs are dropped
@@ -136,8 +155,9 @@ class SpecModel(nn.Module):
                 ) -> dict[str, torch.Tensor]:
         """One step: target over the packed batch -> logits at gather ids -> worker (sample, accept, draft).
 
-        input_ids [T] int64 in the flat layout; draft_tokens [G, K] int64 (the drafts being verified).
-        Returns new_tokens [B, K+1], new_tokens_lens [B], next_draft_tokens [B, K], next_new_tokens [B, K+1].
+        input_ids [T] int64 in the flat layout; draft_tokens [G, k] int64 (the drafts being verified, k =
+        spec_metadata.draft_len). Returns new_tokens [B, k+1], new_tokens_lens [B], next_draft_tokens [B, k'],
+        next_new_tokens [B, k'+1] (k' = spec_metadata.next_draft_len).
         """
         hidden, captured = self.target(input_ids, attn)
         self.spec_metadata.record_positions(attn.positions)
@@ -147,27 +167,33 @@ class SpecModel(nn.Module):
 
     def packed_forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor
                        ) -> torch.Tensor:
-        """:meth:`forward` with its outputs packed [B, 2K+3] int64 (one D2H copy). Tensor parallel: rank 0's
+        """:meth:`forward` with its outputs packed [B, 2K+3] int64 (one D2H copy; K = max_draft_len, shorter
+        steps padded). Tensor parallel: rank 0's
         outputs on every rank (every rank computes the same tokens from the same gathered logits and seeds; the
         broadcast makes the host schedules of the ranks identical by construction)."""
-        packed = pack_outputs(self(input_ids, attn, draft_tokens))
+        packed = pack_outputs(self(input_ids, attn, draft_tokens), self.max_draft_len)
         parallel = self.target.parallel
         return packed if parallel is None else broadcast_from_first(packed, parallel)
 
     def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
-             params: list[SamplingParams], context_lens: tuple[int, ...]) -> torch.Tensor:
+             params: list[SamplingParams], context_lens: tuple[int, ...], draft_len: int | None = None,
+             next_draft_len: int | None = None) -> torch.Tensor:
         """Run one step from host-side inputs (flat layout, context requests first); returns the packed
-        outputs [B, 2K+3] on the device. Generation-only batches replay a CUDA graph when one is enabled."""
+        outputs [B, 2K+3] on the device. ``draft_len``: drafts each generation request verifies,
+        ``next_draft_len``: drafts to propose (both default max_draft_len). Generation-only batches replay a
+        CUDA graph when one is enabled."""
+        k = self.max_draft_len if draft_len is None else draft_len
+        next_k = self.max_draft_len if next_draft_len is None else next_draft_len
         num_gen = len(params) - len(context_lens)
         if self.graph_runner is not None and not context_lens and self.graph_runner.bucket(num_gen):
-            return self.graph_runner.run(ids, positions, slots, drafts, params)
-        self.spec_metadata.prepare(params, context_lens)
+            return self.graph_runner.run(ids, positions, slots, drafts, params, k, next_k)
+        self.spec_metadata.prepare(params, context_lens, k, next_k)
         device = self.device
         attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
                                        torch.tensor(positions, device=device),
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
-                                       tokens_per_request=self.max_draft_len + 1)
-        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, self.max_draft_len)
+                                       tokens_per_request=k + 1)
+        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
         return self.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
 
     @torch.inference_mode()

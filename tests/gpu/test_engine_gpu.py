@@ -67,13 +67,13 @@ def test_no_host_sync_inside_generation_step():
     calls = []
     step = model.step
 
-    def generation_only(ids, positions, slots, drafts, params, context_lens):
+    def generation_only(ids, positions, slots, drafts, params, context_lens, *draft_lens):
         calls.append(bool(context_lens))
         if context_lens:  # prefill is allowed to plan on the host
             model.forward = original
         else:
             model.forward = strict_forward
-        return step(ids, positions, slots, drafts, params, context_lens)
+        return step(ids, positions, slots, drafts, params, context_lens, *draft_lens)
 
     model.step = generation_only
     model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))
@@ -102,15 +102,37 @@ def test_compiled_graphed_bf16_equals_eager(arch):
         assert x.token_ids == y.token_ids
 
 
-def test_graphs_are_keyed_by_bucket_and_all_greedy():
+def test_graphs_are_keyed_by_bucket_draft_lens_and_all_greedy():
     target, model = _model("llama", 3, torch.float32, eager=False)
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
-    assert model.graph_runner.graphs and all(key[1] for key in model.graph_runner.graphs)  # argmax graphs only
+    assert model.graph_runner.graphs and all(key[3] for key in model.graph_runner.graphs)  # argmax graphs only
     for p, n, out in zip(PROMPTS, MAX_NEW, outs):
         assert out.token_ids == hf_greedy(target, p, n)
     mixed = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9) for i, n in enumerate(MAX_NEW)]
     outs = model.generate(PROMPTS, mixed, seed=1)
-    assert {key[1] for key in model.graph_runner.graphs} == {False, True}
+    assert {key[3] for key in model.graph_runner.graphs} == {False, True}
     for i, (p, n, out) in enumerate(zip(PROMPTS, MAX_NEW, outs)):
         if i % 2:
             assert out.token_ids == hf_greedy(target, p, n)  # greedy rows exact inside the sampling graph
+
+
+@pytest.mark.parametrize("rejection", [False, True])
+def test_draft_len_schedule_in_graphs_equals_eager(rejection):
+    """A schedule that changes the draft length with every batch size (0 drafts at 4+ requests): the graphed
+    compiled step gives the eager tokens (greedy: also HF's in fp32), and its graphs carry the draft lengths."""
+    schedule = {1: 3, 2: 2, 3: 1, 4: 0}
+    target, head = tiny_pair("llama")
+    config = eagle3(head, 3).model_copy(update={"draft_len_schedule": schedule,
+                                                "use_rejection_sampling": rejection})
+    models = [SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=4,
+                                        enforce_eager=eager) for eager in (False, True)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 or not rejection else 0.9)
+              for i, n in enumerate(MAX_NEW)]
+    graphed, eager = (m.generate(PROMPTS, params, seed=3) for m in models)
+    for i, (p, n, x, y) in enumerate(zip(PROMPTS, MAX_NEW, graphed, eager)):
+        assert x.token_ids == y.token_ids
+        if params[i].is_greedy:
+            assert x.token_ids == hf_greedy(target, p, n)
+    keys = models[0].graph_runner.graphs
+    assert {(size, k) for size, k, next_k, *_ in keys if k == next_k} >= {(1, 3), (2, 2), (4, 1), (4, 0)}
+    assert any(k != next_k for _, k, next_k, *_ in keys)  # a step that changed the length replayed its own graph

@@ -22,10 +22,11 @@ class SpecWorkerBase(nn.Module, ABC):
     """The part of the one-model step after the target's logits: sample, accept, draft.
 
     Flat layout: ``num_ctx`` context requests (one target row each), then generation requests with
-    ``K + 1`` rows each (row j verifies draft j+1; row K is the bonus). Output contract (TensorRT-LLM):
-    ``new_tokens [B, K+1]`` accepted target tokens (first ``new_tokens_lens[b]`` valid),
-    ``new_tokens_lens [B]``, ``next_draft_tokens [B, K]``, ``next_new_tokens [B, K+1]`` (the next step's
-    generation input: last accepted token + next drafts).
+    ``k + 1`` rows each (row j verifies draft j+1; row k is the bonus); k = ``spec_metadata.draft_len`` (K =
+    max_draft_len unless a draft-length schedule shortens the step). Output contract (TensorRT-LLM):
+    ``new_tokens [B, k+1]`` accepted target tokens (first ``new_tokens_lens[b]`` valid),
+    ``new_tokens_lens [B]``, ``next_draft_tokens [B, k']``, ``next_new_tokens [B, k'+1]`` (the next step's
+    generation input: last accepted token + next drafts; k' = ``spec_metadata.next_draft_len``).
     """
 
     def __init__(self, max_draft_len: int, use_flashinfer: bool = True, use_rejection_sampling: bool = False):
@@ -92,20 +93,19 @@ class SpecWorkerBase(nn.Module, ABC):
                       gen_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Strict acceptance (or rejection sampling for sampled requests), then the forced override.
 
-        target_tokens [R] int64; draft_tokens [G, K] int64 (the drafts being verified); with rejection
+        target_tokens [R] int64; draft_tokens [G, k] int64 (the drafts being verified); with rejection
         sampling also target_logits [R, V] and gen_slots [G] (KV slot of each generation request).
-        Returns (new_tokens [B, K+1] int64, num_accepted [B] int64 with the bonus counted).
+        Returns (new_tokens [B, k+1] int64, num_accepted [B] int64 with the bonus counted).
         """
+        k = draft_tokens.shape[1]
         num_accepted_gen, gen_tokens = strict_acceptance(target_tokens[num_contexts:], draft_tokens)
-        if self.use_rejection_sampling and draft_tokens.shape[0] > 0 and not spec_metadata.all_greedy:
+        if self.use_rejection_sampling and draft_tokens.numel() > 0 and not spec_metadata.all_greedy:
             gen_tokens, num_accepted_gen = self._rejection_sampling(
                 target_logits[num_contexts:], draft_tokens, gen_slots, gen_tokens, num_accepted_gen, spec_metadata)
         if self.forced_num_accepted is not None:
-            num_accepted_gen = forced_num_accepted(self.forced_num_accepted, self.max_draft_len,
-                                                   draft_tokens.shape[0], spec_metadata.seed,
-                                                   spec_metadata.offset)
-        ctx_tokens = torch.zeros(num_contexts, self.max_draft_len + 1, dtype=torch.int64,
-                                 device=target_tokens.device)
+            num_accepted_gen = forced_num_accepted(self.forced_num_accepted, k, draft_tokens.shape[0],
+                                                   spec_metadata.seed, spec_metadata.offset)
+        ctx_tokens = torch.zeros(num_contexts, k + 1, dtype=torch.int64, device=target_tokens.device)
         ctx_tokens[:, 0] = target_tokens[:num_contexts]
         ctx_accepted = torch.ones(num_contexts, dtype=torch.int64, device=target_tokens.device)
         return torch.cat([ctx_tokens, gen_tokens]), torch.cat([ctx_accepted, num_accepted_gen])
@@ -122,7 +122,7 @@ class SpecWorkerBase(nn.Module, ABC):
         temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
         probs = sampling.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, k + 1, -1)
         seed, offset = spec_metadata.generation_streams()
-        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots], draft_tokens, seed, offset,
+        tokens, accepted = rejection_sample(probs, self.draft_probs[gen_slots, :k], draft_tokens, seed, offset,
                                             self._flashinfer(spec_metadata))
         emitted = torch.arange(k + 1, device=tokens.device) < accepted[:, None]
         tokens = torch.where(emitted, tokens, strict_tokens)
@@ -156,8 +156,8 @@ class SpecWorkerBase(nn.Module, ABC):
     @staticmethod
     def _prepare_next_new_tokens(new_tokens: torch.Tensor, num_accepted: torch.Tensor,
                                  next_draft_tokens: torch.Tensor) -> torch.Tensor:
-        """[last accepted token, K next drafts] per request. new_tokens [B, K+1], num_accepted [B],
-        next_draft_tokens [B, K] -> [B, K+1] int64."""
+        """[last accepted token, k' next drafts] per request. new_tokens [B, k+1], num_accepted [B],
+        next_draft_tokens [B, k'] -> [B, k'+1] int64."""
         last = new_tokens.gather(1, (num_accepted - 1).unsqueeze(1))
         return torch.cat([last, next_draft_tokens], dim=1)
 
@@ -167,7 +167,7 @@ class SpecWorkerBase(nn.Module, ABC):
         """Token ids for the draft's first pass: each position paired with the token that follows it.
 
         Inside a prompt that is the next prompt token; at every sampled row (a prompt's last token, each of
-        a generation request's K+1 tokens) it is the target token sampled there.
+        a generation request's k+1 tokens) it is the target token sampled there.
         input_ids [T], gather_ids [R], target_tokens [R] -> [T] int64.
         """
         shifted = torch.roll(input_ids, -1)
@@ -176,9 +176,9 @@ class SpecWorkerBase(nn.Module, ABC):
 
 def strict_acceptance(gen_target_tokens: torch.Tensor, draft_tokens: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept drafts while draft == target: n = 1 + cumprod(draft == target[:, :K]).sum(-1).
+    """Accept drafts while draft == target: n = 1 + cumprod(draft == target[:, :k]).sum(-1).
 
-    gen_target_tokens [G*(K+1)] int64; draft_tokens [G, K]. Returns (num_accepted [G], tokens [G, K+1]).
+    gen_target_tokens [G*(k+1)] int64; draft_tokens [G, k]. Returns (num_accepted [G], tokens [G, k+1]).
     """
     num_gen, k = draft_tokens.shape
     tokens = gen_target_tokens.view(num_gen, k + 1)

@@ -44,7 +44,7 @@ class Eagle3OneModelWorker(SpecWorkerBase):
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
         """input_ids [T]; target_logits [R, V]; target_features [T, 3H_t] (aux hidden states);
-        draft_tokens [G, K] being verified. Returns the TensorRT-LLM output dict."""
+        draft_tokens [G, k] being verified. Returns the TensorRT-LLM output dict."""
         num_contexts = spec_metadata.num_context_requests
         self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
@@ -63,16 +63,20 @@ class Eagle3OneModelWorker(SpecWorkerBase):
 
     def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
               num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
-        """K draft passes: one over every token of the step, then one token per request.
+        """k' = next_draft_len draft passes: one over every token of the step, then one token per request.
+        With k' = 0 the first pass still runs: it writes the draft's KV at the step's positions, which later
+        steps attend.
 
-        row_tokens [R]: the emitted token after each sampling row. Returns [B, K]."""
+        row_tokens [R]: the emitted token after each sampling row. Returns [B, k'] int64."""
         gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
         draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
         hidden = self.draft_model(draft_ids, target_features, attn)
         last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
+        if spec_metadata.next_draft_len == 0:
+            return last.new_zeros(last.shape[0], 0)
         hidden, positions, slots = hidden[last], attn.positions[last], attn.token_slots[last]
         drafts = [self._propose(hidden, 0, slots, spec_metadata)]
-        for step in range(1, self.max_draft_len):
+        for step in range(1, spec_metadata.next_draft_len):
             positions = positions + 1
             hidden = self.draft_model(drafts[-1], hidden, attn.for_tokens(slots, positions))
             drafts.append(self._propose(hidden, step, slots, spec_metadata))

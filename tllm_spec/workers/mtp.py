@@ -43,7 +43,7 @@ class _MTPWorkerBase(SpecWorkerBase):
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
         """input_ids [T]; target_logits [R, V]; target_features [T, H] (final-normed target hidden);
-        draft_tokens [G, K] being verified. Returns the TensorRT-LLM output dict."""
+        draft_tokens [G, k] being verified. Returns the TensorRT-LLM output dict."""
         num_ctx = spec_metadata.num_context_requests
         slots = attn.token_slots[spec_metadata.gather_ids[spec_metadata.first_rows()]]  # [B] KV slot per request
         self._execute_guided_decoder_if_present(target_logits)
@@ -68,7 +68,8 @@ class _MTPWorkerBase(SpecWorkerBase):
     @abstractmethod
     def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
               num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
-        """Next drafts [B, K] int64. row_tokens [R]: the accepted token following each sampled row."""
+        """Next drafts [B, k'] int64 (k' = spec_metadata.next_draft_len). row_tokens [R]: the accepted token
+        following each sampled row."""
 
     def _propose(self, module: int, hidden: torch.Tensor, step: int, slots: torch.Tensor,
                  spec_metadata: SpecMetadata) -> torch.Tensor:
@@ -86,9 +87,9 @@ class _MTPWorkerBase(SpecWorkerBase):
         num_gen_accepted, gen_tokens = self.relaxed.accept(target_logits[num_ctx:], target_tokens[num_ctx:],
                                                            draft_tokens, thinking[num_ctx:])
         if self.forced_num_accepted is not None:
-            num_gen_accepted = forced_num_accepted(self.forced_num_accepted, self.max_draft_len,
+            num_gen_accepted = forced_num_accepted(self.forced_num_accepted, draft_tokens.shape[1],
                                                    draft_tokens.shape[0], spec_metadata.seed, spec_metadata.offset)
-        ctx_tokens = target_tokens.new_zeros(num_ctx, self.max_draft_len + 1)
+        ctx_tokens = target_tokens.new_zeros(num_ctx, draft_tokens.shape[1] + 1)
         ctx_tokens[:, 0] = target_tokens[:num_ctx]
         new_tokens = torch.cat([ctx_tokens, gen_tokens])
         num_accepted = torch.cat([num_gen_accepted.new_ones(num_ctx), num_gen_accepted])
@@ -133,9 +134,11 @@ class MTPEagleWorker(_MTPWorkerBase):
         next_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
         outs = self._run_modules(0, next_ids, target_features, attn)
         last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
+        if spec_metadata.next_draft_len == 0:  # the first pass wrote the modules' KV; nothing to propose
+            return last.new_zeros(last.shape[0], 0)
         hidden, positions, slots = outs[self.step_modules[0]][last], attn.positions[last], attn.token_slots[last]
         drafts = [self._propose(self.step_modules[0], hidden, 0, slots, spec_metadata)]
-        for step in range(1, self.max_draft_len):
+        for step in range(1, spec_metadata.next_draft_len):
             positions = positions + 1
             fed_back = self.draft_model.feedback(self.step_modules[step - 1], hidden)
             outs = self._run_modules(step, drafts[-1], fed_back, attn.for_tokens(slots, positions))
