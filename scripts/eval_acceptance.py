@@ -31,7 +31,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--speed-prompts", type=int, default=4, help="prompts timed for tokens/s (batch 1, T=0; 0: acceptance only)")
+    p.add_argument("--speed-prompts", type=int, default=4,
+                   help="prompts timed for tokens/s (batch 1, T=0; 0: acceptance only)")
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions (best kept)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])

@@ -44,6 +44,8 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--rollouts-file", help="reuse the rollouts stored here (written on the first run)")
     p.add_argument("--tv-weight", type=float, default=0.0, help="add this times the total-variation distance to "
                    "the loss (trains T = 1 acceptance directly)")
+    p.add_argument("--calibrate-temperature", action="store_true", help="EAGLE-3: fold the logit temperature "
+                   "that best matches the target at T = 1 into the head (with --steps 0 --init-from: calibrate only)")
     p.add_argument("--heldout-every", type=int, default=10)
     p.add_argument("--suffixes", nargs="+", help="file suffixes taken from directories (default .py .txt .md "
                    ".rst .jsonl)")
@@ -61,6 +63,7 @@ def parse_args() -> DraftTrainConfig:
                   hidden_feedback=a.hidden_feedback, rollout_sequences=a.rollouts,
                   rollout_prompt_tokens=a.rollout_prompt_tokens, rollout_share=a.rollout_share,
                   rollouts_file=a.rollouts_file, tv_weight=a.tv_weight,
+                  calibrate_temperature=a.calibrate_temperature,
                   heldout_every=a.heldout_every, save_dtype=a.save_dtype,
                   time_budget_s=60 * a.minutes if a.minutes else None, save_every=a.save_every, resume=a.resume,
                   device=a.device, seed=a.seed)
@@ -72,7 +75,8 @@ def parse_args() -> DraftTrainConfig:
 def main() -> None:
     result = train_draft(parse_args())
     summary = result.summary
-    print(json.dumps({k: summary[k] for k in ("steps", "seconds", "last_step", "heldout")}, indent=2))
+    print(json.dumps({k: summary[k] for k in ("steps", "seconds", "last_step", "heldout", "calibration")
+                      if k in summary}, indent=2))
     print(f"written to {result.out}")
 
 

@@ -19,7 +19,8 @@ from ..tokenizer import load_tokenizer
 from .data import HELDOUT_EVERY, TEXT_SUFFIXES, eval_windows, expand_paths, read_documents, sample_rows, \
     sample_windows, split_heldout, tokenize_documents
 from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, head_from_checkpoint, init_head, load_head
-from .loop import LoopConfig, autocast, run_loop
+from .calibration import calibrate_temperature
+from .loop import LoopConfig, LoopResult, autocast, run_loop
 from .mtp import MTPTrainer, init_mtp_modules
 from .rollout import generate_rollouts
 from .teacher import Teacher
@@ -37,7 +38,8 @@ class DraftTrainConfig(BaseModel):
     data: tuple[str, ...] = Field(min_length=1, description="text / jsonl files and directories")
     kind: Literal["eagle3", "mtp"] = "eagle3"
     out: str = Field(description="output directory: the head / MTP weights, trainer_state.pt, summary")
-    steps: int = Field(2000, ge=1, description="optimizer steps (an upper bound with time_budget_s)")
+    steps: int = Field(2000, ge=0, description="optimizer steps (an upper bound with time_budget_s); 0 with "
+                       "init_from: no training (calibrate or evaluate an existing draft)")
     batch_size: int = Field(16, ge=1)
     seq_len: int = Field(512, ge=8)
     lr: float = Field(1e-3, gt=0)
@@ -60,6 +62,9 @@ class DraftTrainConfig(BaseModel):
                                       "match rollout_sequences and seq_len), else generate and write them there")
     tv_weight: float = Field(0.0, ge=0.0, description="weight of a total-variation term added to the soft-label "
                              "loss: it trains the acceptance of rejection sampling at T = 1 directly")
+    calibrate_temperature: bool = Field(False, description="EAGLE-3: after training, fold into the head the logit "
+                                        "temperature that maximises its overlap with the target on T = 1 "
+                                        "continuations (sampled drafts are accepted more; argmax unchanged)")
     heldout_every: int = Field(HELDOUT_EVERY, ge=0, description="hold out every Nth file (0: none)")
     suffixes: tuple[str, ...] = TEXT_SUFFIXES
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -72,6 +77,10 @@ class DraftTrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> DraftTrainConfig:
+        if self.steps == 0 and not self.init_from:
+            raise ValueError("steps=0 trains nothing: it needs init_from (an existing draft to calibrate or evaluate)")
+        if self.calibrate_temperature and self.kind != "eagle3":
+            raise ValueError("calibrate_temperature applies to EAGLE-3 heads (MTP modules share the target's lm_head)")
         if self.init_from and (self.draft_vocab is not None or self.intermediate_size is not None):
             raise ValueError("init_from keeps the existing draft's shape: leave draft_vocab and intermediate_size unset")
         if self.kind == "mtp" and self.draft_vocab is not None:
@@ -119,16 +128,22 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
         ids = _batch(stream, rollouts, cfg.batch_size - num_rollout_rows, num_rollout_rows, cfg, step).to(device)
         return trainer(ids, teacher(ids))
 
-    loop = LoopConfig(max_steps=cfg.steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps, time_budget_s=cfg.time_budget_s,
-                      save_every=cfg.save_every)
-    result = run_loop(trainer, step_fn, loop, device, out, cfg.resume, desc=f"train {cfg.kind}",
-                      progress=cfg.progress)
+    if cfg.steps:
+        loop = LoopConfig(max_steps=cfg.steps, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                          time_budget_s=cfg.time_budget_s, save_every=cfg.save_every)
+        result = run_loop(trainer, step_fn, loop, device, out, cfg.resume, desc=f"train {cfg.kind}",
+                          progress=cfg.progress)
+    else:
+        result = LoopResult(0)
+    calibration = _calibrate(cfg, trainer, teacher, model, stream) if cfg.calibrate_temperature else None
     _save(cfg, trainer, out, model.config.num_hidden_layers)
     summary = {"config": cfg.model_dump(mode="json"), "steps": result.step, "seconds": round(result.seconds, 1),
                "train_tokens": int(stream.numel()), "train_files": len(train_files),
                "rollout_tokens": 0 if rollouts is None else int(rollouts.numel()),
                "heldout_files": [str(f) for f in heldout_files], "last_step": result.metrics,
                "heldout": evaluate(trainer, teacher, _heldout_batches(heldout_stream, cfg), device)}
+    if calibration is not None:
+        summary["calibration"] = calibration
     if rollouts is not None and heldout_stream is not None and heldout_stream.numel() > cfg.seq_len:
         # the target's continuations of held-out prompts: the text the draft meets in the acceptance evaluation
         held_rollouts = generate_rollouts(model, heldout_stream, 2 * cfg.batch_size, cfg.rollout_prompt_tokens,
@@ -154,6 +169,15 @@ def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor) -> torch.Tenso
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rollouts, path)
     return rollouts
+
+
+def _calibrate(cfg: DraftTrainConfig, trainer: Eagle3Trainer, teacher: Teacher, model, stream: torch.Tensor
+               ) -> dict:
+    """Temperature calibration on the target's T = 1 continuations of training prompts (not held-out text)."""
+    prompt_tokens = min(cfg.rollout_prompt_tokens, cfg.seq_len // 2)
+    continuations = generate_rollouts(model, stream, 4 * cfg.batch_size, prompt_tokens, cfg.seq_len,
+                                      temperatures=(1.0,), seed=cfg.seed + 2)
+    return calibrate_temperature(trainer, teacher, list(continuations.long().split(cfg.batch_size)))
 
 
 def _batch(stream: torch.Tensor, rollouts: torch.Tensor | None, num_text_rows: int, num_rollout_rows: int,

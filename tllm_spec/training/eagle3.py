@@ -106,18 +106,25 @@ class Eagle3Trainer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, teacher: TeacherOutputs) -> tuple[torch.Tensor, dict[str, float]]:
         """input_ids [B, S] -> (weighted loss [], {"loss", "acc0", "overlap0", "acc1", ...})."""
-        seq_len = input_ids.shape[1]
         total, metrics = 0.0, {}
-        for j, (hidden, weight) in enumerate(zip(self.unroll(teacher.aux, input_ids), level_weights(self.ttt_steps))):
-            n = seq_len - j - 1  # chains t < n have their level-j token t+j+1 and a target label
-            if n <= 0:
-                break
-            logits = self.draft.lm_head(self.draft.norm(hidden[:, :n]))
+        for j, (logits, weight) in enumerate(zip(self.level_logits(input_ids, teacher), level_weights(self.ttt_steps))):
             fit = distill_level(logits, teacher.logits[:, j + 1:], self.draft_ids, self.t2d, self.tv_weight)
             total = total + weight * fit.loss
             metrics[f"acc{j}"], metrics[f"overlap{j}"] = fit.accuracy.item(), fit.overlap.item()
         metrics["loss"] = float(total.detach())
         return total, metrics
+
+    def level_logits(self, input_ids: torch.Tensor, teacher: TeacherOutputs) -> list[torch.Tensor]:
+        """Draft logits [B, S - j - 1, Vd] of each level j (row t predicts token t+j+2, whose target logits are
+        teacher.logits[:, j + 1:]); levels with no such row are left out."""
+        seq_len = input_ids.shape[1]
+        levels = []
+        for j, hidden in enumerate(self.unroll(teacher.aux, input_ids)):
+            n = seq_len - j - 1  # chains t < n have their level-j token t+j+1 and a target label
+            if n <= 0:
+                break
+            levels.append(self.draft.lm_head(self.draft.norm(hidden[:, :n])))
+        return levels
 
     def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """aux [B, S, 3H_t] target features, input_ids [B, S] -> pre-norm hidden [B, S, H] of each level
