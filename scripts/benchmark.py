@@ -105,16 +105,21 @@ def main() -> None:
             continue
         default_models = (plain, spec)
     plain, spec = default_models
-    if args.draft_len_sweep:
-        sweep(spec, args, bandwidth["gemv"], results, out, first)
     if args.profile:
         for model, forced in ((plain, None), (spec, float(k))):
             results["profile"].append(profile_step(model, 1, args.prompt_len, forced))
             if first:
                 print(format_profile(results["profile"][-1]))
-    if not first:
-        return
-    hf_runs = [] if args.no_hf or tp > 1 else [(b, False) for b in args.batches] + [
+    if first:
+        hf_baseline(spec, args, results, out)
+        print(table(results))
+        plot(results, out / "benchmark.png")
+    if args.draft_len_sweep:  # last (every rank: tensor-parallel steps are collective); each length recompiles
+        sweep(spec, args, bandwidth["gemv"], results, out, first)
+
+
+def hf_baseline(spec: SpecModel, args: argparse.Namespace, results: dict, out: Path) -> None:
+    hf_runs = [] if args.no_hf or args.tensor_parallel_size > 1 else [(b, False) for b in args.batches] + [
         (b, True) for b in args.hf_static_batches]
     for batch, static in hf_runs:
         tps = hf_generate_tokens_per_second(spec, batch, args.prompt_len, args.new_tokens, static)
@@ -122,23 +127,27 @@ def main() -> None:
         (out / "benchmark.json").write_text(json.dumps(results, indent=2))
         tqdm.write(f"HF generate batch {batch} static={static}: {tps:.1f} tok/s")
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
-    print(table(results))
-    plot(results, out / "benchmark.png")
 
 
-def sweep(spec: SpecModel, args: argparse.Namespace, bandwidth: float, results: dict, out: Path, first: bool) -> None:
-    points, schedule = sweep_draft_len(spec, args.batches, args.prompt_len, args.new_tokens, args.sweep_acceptance,
-                                       bandwidth)
-    results["draft_len_sweep"] = {"acceptance": args.sweep_acceptance, "points": to_rows(points),
-                                  "schedule": schedule}
+def sweep(spec: SpecModel, args: argparse.Namespace, bandwidth: float, results: dict, out: Path,
+          first: bool) -> None:
+    record = results["draft_len_sweep"] = {"acceptance": args.sweep_acceptance, "points": [], "schedule": None}
+
+    def measured(p) -> None:  # each point is written as it comes (a long sweep may be cut short)
+        record["points"].append(to_rows([p])[0])
+        if not first:
+            return
+        (out / "benchmark.json").write_text(json.dumps(results, indent=2))
+        tqdm.write(f"sweep batch {p.batch:3d} draft_len {p.draft_len} forced {p.forced_drafts or 0:.2f} step "
+                   f"{p.step_ms:7.2f} ms {p.tokens_per_second:9.1f} tok/s")
+
+    _, record["schedule"] = sweep_draft_len(spec, args.batches, args.prompt_len, args.new_tokens,
+                                            args.sweep_acceptance, bandwidth, on_point=measured)
     if not first:
         return
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
-    for p in points:
-        tqdm.write(f"sweep batch {p.batch:3d} draft_len {p.draft_len} forced {p.forced_drafts or 0:.2f} step "
-                   f"{p.step_ms:7.2f} ms {p.tokens_per_second:9.1f} tok/s")
     print(f"fastest draft length per batch size at acceptance {args.sweep_acceptance}: "
-          f"draft_len_schedule={schedule}")
+          f"draft_len_schedule={record['schedule']}")
 
 
 def table(results: dict) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -111,10 +112,12 @@ def expected_accepted_drafts(draft_len: int, acceptance: float) -> float:
 
 
 def sweep_draft_len(model: SpecModel, batches: list[int], prompt_len: int, new_tokens: int, acceptance: float,
-                    bandwidth: float) -> tuple[list[Point], dict[int, int]]:
+                    bandwidth: float, on_point: Callable[[Point], None] | None = None
+                    ) -> tuple[list[Point], dict[int, int]]:
     """Every draft length 0..K at every batch size, acceptance forced to :func:`expected_accepted_drafts`
     (a realistic chain rather than a perfect draft); returns the points and the fastest draft length per
-    batch size as a ``draft_len_schedule``. The model's own schedule is restored afterwards."""
+    batch size as a ``draft_len_schedule``; ``on_point`` sees each point as it is measured. The model's own
+    schedule is restored afterwards."""
     saved, points = model.draft_len_schedule, []
     try:
         for batch in batches:
@@ -122,6 +125,8 @@ def sweep_draft_len(model: SpecModel, batches: list[int], prompt_len: int, new_t
                 model.set_draft_len_schedule({1: k})
                 forced = expected_accepted_drafts(k, acceptance) if k else None
                 points.append(run_point(model, batch, prompt_len, new_tokens, forced, bandwidth))
+                if on_point is not None:
+                    on_point(points[-1])
     finally:
         model.set_draft_len_schedule(saved)
     return points, best_schedule(points)
