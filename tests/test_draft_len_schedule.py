@@ -95,9 +95,11 @@ def test_eagle3_greedy_lossless_under_a_schedule(arch):
     assert {k for k, _ in steps} == {0, 1, 2, 3}
 
 
-def test_mtp_eagle_greedy_lossless_under_a_schedule():
+@pytest.mark.parametrize("modules,selection", [(1, "first"), (3, "per_step")])
+def test_mtp_eagle_greedy_lossless_under_a_schedule(modules, selection):
     target = mtp_target("llama", "deepseek")
-    config = MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, draft_len_schedule=SCHEDULE)
+    config = MTPConfig(num_nextn_predict_layers=modules, max_draft_len=3, mtp_layer_selection=selection,
+                       draft_len_schedule=SCHEDULE)
     model = SpecModel.from_pretrained(target, config, max_batch_size=4)
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
     for prompt, n, out in zip(PROMPTS, MAX_NEW, outs):
