@@ -57,6 +57,10 @@ def test_config_rules(schedule, message):
 def test_vanilla_mtp_refuses_a_schedule():
     with pytest.raises(ValidationError, match="vanilla MTP"):
         MTPConfig(num_nextn_predict_layers=2, use_mtp_vanilla=True, draft_len_schedule={1: 2})
+    model = SpecModel.from_pretrained(mtp_target("llama", "deepseek"),
+                                      MTPConfig(num_nextn_predict_layers=2, use_mtp_vanilla=True))
+    with pytest.raises(ValueError, match="vanilla MTP"):
+        model.set_draft_len_schedule({1: 2, 4: 1})
 
 
 def test_oracle_drafts_stay_accepted_while_the_draft_length_changes():
@@ -116,3 +120,13 @@ def test_rejection_sampling_distribution_while_the_draft_length_cycles(monkeypat
     assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3
     assert stats["acceptance_rate_per_position"][0] > 0.05  # drafts were accepted: the accept path ran
     assert pvalue(counts, exact_joint(target, 0.6)) < 1e-4  # the check has power
+
+
+def test_acceptance_rates_count_only_steps_that_drafted_the_position():
+    from tllm_spec.request import AcceptanceStats
+    stats = AcceptanceStats(3)
+    stats.record(4, 3)  # 3 of 3 drafts accepted
+    stats.record(2, 1)  # 1 of 1: positions 2 and 3 were not drafted
+    stats.record(1, 3)  # none of 3
+    assert stats.acceptance_rate_per_position == [2 / 3, 1 / 2, 1 / 2]
+    assert stats.histogram == [1, 1, 0, 1] and stats.mean_accepted_length == 7 / 3

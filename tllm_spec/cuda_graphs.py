@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from .spec_model import SpecModel
 
 _DUMMY = SamplingParams()  # greedy
+_VARIANT_EXAMPLES = {(True, False): _DUMMY, (False, False): SamplingParams(temperature=1.0),
+                     (False, True): SamplingParams(temperature=1.0, seed=0)}  # a request of each sampling variant
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -90,10 +92,13 @@ class CUDAGraphRunner:
         """One generation-only step (``draft_len`` drafts verified per request, ``next_draft_len`` proposed);
         returns the packed outputs [B, 2K+3] of the real requests."""
         size = self.bucket(len(params))
+        variant = sampling_variant(params)
+        key = (size, draft_len, next_draft_len, *variant)
+        if key not in self.graphs:  # e.g. a step that changes the draft length: capture it first ...
+            self._fill([], [], [], [], [], size, draft_len, next_draft_len, pad_params=_VARIANT_EXAMPLES[variant])
+            self.graphs[key] = self._capture(size, draft_len)  # ... on padding rows, so the warm-up steps move no
+            # real request's state (its draft distributions, its thinking state), then replay on the real rows
         self._fill(ids, positions, slots, drafts, params, size, draft_len, next_draft_len)
-        key = (size, draft_len, next_draft_len, *self.model.spec_metadata.variant)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(size, draft_len)
         graph, packed = self.graphs[key]
         graph.replay()
         return packed[:len(params)]

@@ -151,7 +151,7 @@ class Engine:
             else:
                 r.num_cached += n
                 if draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
-                    r.stats.record(n)
+                    r.stats.record(n, draft_len)
             r.next_input = row[self.k + 2:self.k + 3 + next_draft_len]
             before = len(r.output)
             r.accept(row[:n])

@@ -30,7 +30,8 @@ class SpecMetadata:
     draw) unless their request has ``SamplingParams.seed``. Such a row draws from its own stream keyed by
     (request seed, counter); the counter is ``L0 * (K+1) + j`` (K = max_draft_len), L0 the position of the
     request's first token in the step (strictly increasing from step to step) and j the row (or draft step)
-    within the request — nothing that depends on the rest of the batch. The host-side flags ``all_greedy`` and
+    within the request — nothing that depends on the rest of the batch (unless a draft-length schedule is set:
+    the batch size then picks how many drafts a step has, and so which draws a request makes). The host-side flags ``all_greedy`` and
     ``has_request_seeds`` are set by :meth:`prepare` from the SamplingParams, without reading the device.
     """
 

@@ -12,16 +12,20 @@ if TYPE_CHECKING:
 
 @dataclass
 class AcceptanceStats:
-    """Accepted tokens per generation step (bonus included): n in 1..K+1."""
+    """Accepted tokens per generation step (bonus included): n in 1..k+1, k the step's drafts (K = max_draft_len
+    unless a draft-length schedule shortened the step)."""
 
     max_draft_len: int
     accepted_per_step: list[int] = field(default_factory=list)
+    drafts_per_step: list[int] = field(default_factory=list)
 
-    def record(self, num_accepted: int) -> None:
+    def record(self, num_accepted: int, num_drafts: int | None = None) -> None:
         self.accepted_per_step.append(num_accepted)
+        self.drafts_per_step.append(self.max_draft_len if num_drafts is None else num_drafts)
 
     def merge(self, other: AcceptanceStats) -> None:
         self.accepted_per_step.extend(other.accepted_per_step)
+        self.drafts_per_step.extend(other.drafts_per_step)
 
     @property
     def num_steps(self) -> int:
@@ -34,9 +38,12 @@ class AcceptanceStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        """Fraction of steps in which draft j (1-based) was accepted, for j = 1..K."""
-        steps = max(self.num_steps, 1)
-        return [sum(n - 1 >= j for n in self.accepted_per_step) / steps for j in range(1, self.max_draft_len + 1)]
+        """Fraction of the steps that drafted position j (1-based) in which draft j was accepted, j = 1..K."""
+        rates = []
+        for j in range(1, self.max_draft_len + 1):
+            drafted = [n for n, k in zip(self.accepted_per_step, self.drafts_per_step) if k >= j]
+            rates.append(sum(n - 1 >= j for n in drafted) / max(len(drafted), 1))
+        return rates
 
     @property
     def histogram(self) -> list[int]:

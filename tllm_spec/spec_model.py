@@ -121,6 +121,8 @@ class SpecModel(nn.Module):
     def set_draft_len_schedule(self, schedule: Mapping[int, int] | None) -> None:
         """Replace the draft-length schedule (benchmark sweeps; the config's rules apply). Captured graphs are
         kept: they are keyed by their draft lengths."""
+        if schedule is not None and self.mode.is_mtp_vanilla():
+            raise ValueError("draft_len_schedule: vanilla MTP drafts exactly num_nextn_predict_layers tokens")
         check_draft_len_schedule(dict(schedule) if schedule is not None else None, self.max_draft_len)
         self._schedule = sorted((schedule or {1: self.max_draft_len}).items())
 

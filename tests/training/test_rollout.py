@@ -53,10 +53,12 @@ def test_rollouts_file_is_written_once_and_reused(tmp_path):
     path = tmp_path / "rollouts.pt"
     settings = dict(steps=1, rollout_sequences=4, rollout_prompt_tokens=8, rollouts_file=str(path))
     train_draft(train_config("mtp", "run-rollouts-file", **settings))
-    written = torch.load(path)
-    assert written.shape == (4, 48)
-    torch.save(written.flip(0), path)  # a marker: a rerun that regenerated would overwrite it
+    stored = torch.load(path)
+    assert stored["rollouts"].shape == (4, 48) and stored["seed"] == 0
+    torch.save({**stored, "rollouts": stored["rollouts"].flip(0)}, path)  # a rerun that regenerated would undo it
     again = train_draft(train_config("mtp", "run-rollouts-file", **settings))
-    assert again.summary["rollout_tokens"] == 4 * 48 and torch.equal(torch.load(path), written.flip(0))
-    with pytest.raises(ValueError, match="rollouts of shape"):
-        train_draft(train_config("mtp", "run-rollouts-file", **{**settings, "rollout_sequences": 6}))
+    assert again.summary["rollout_tokens"] == 4 * 48
+    assert torch.equal(torch.load(path)["rollouts"], stored["rollouts"].flip(0))
+    for other in ({"rollout_sequences": 6}, {"seed": 1}, {"rollout_prompt_tokens": 6}):
+        with pytest.raises(ValueError, match="rollouts made with"):
+            train_draft(train_config("mtp", "run-rollouts-file", **{**settings, **other}))

@@ -44,3 +44,11 @@ def test_reduced_vocabulary_overlap_counts_the_unreachable_mass():
     assert fit.overlap.item() == pytest.approx(0.5 + 0.3)  # min(0.5, 0.5) + min(0.3, 0.5)
     renormalised = P[:2] / P[:2].sum()
     assert fit.loss.item() == pytest.approx(-(renormalised * torch.tensor(0.5).log()).sum().item())
+
+
+def test_reduced_vocabulary_far_below_the_target_argmax_stays_finite():
+    # the target's mass sits on a token outside the draft vocabulary, 200 nats above every draft token
+    draft_ids, t2d = torch.tensor([0, 1]), torch.tensor([True, True, False, False])
+    target = torch.tensor([[[0.0, 1.0, 200.0, 0.0]]])
+    fit = distill_level(torch.tensor([[[0.0, 0.0]]]), target, draft_ids, t2d, tv_weight=1.0)
+    assert torch.isfinite(fit.loss) and fit.overlap.item() == pytest.approx(0.0, abs=1e-6)

@@ -119,7 +119,7 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
     model = AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
     if rollouts is None and cfg.rollout_sequences:
-        rollouts = _rollouts(cfg, model, stream)
+        rollouts = _rollouts(cfg, model, stream, target_dir)
     num_rollout_rows = round(cfg.batch_size * cfg.rollout_share) if rollouts is not None else 0
     trainer, teacher = _build(cfg, model, stream, tokenizer.eos_token_id)
     trainer.train()
@@ -154,20 +154,24 @@ def train_draft(cfg: DraftTrainConfig, streams: tuple[torch.Tensor, torch.Tensor
     return DraftTrainResult(out, result.losses, summary)
 
 
-def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor) -> torch.Tensor:
-    """[rollout_sequences, seq_len] int32: read from cfg.rollouts_file, or generated (and written there)."""
+def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor, target_dir: Path) -> torch.Tensor:
+    """[rollout_sequences, seq_len] int32: read from cfg.rollouts_file when it was made with these settings,
+    or generated (and written there)."""
     path = Path(cfg.rollouts_file) if cfg.rollouts_file else None
+    settings = {"target": str(Path(target_dir).resolve()), "seed": cfg.seed,
+                "prompt_tokens": cfg.rollout_prompt_tokens, "shape": [cfg.rollout_sequences, cfg.seq_len]}
     if path is not None and path.is_file():
-        rollouts = torch.load(path)
-        if tuple(rollouts.shape) != (cfg.rollout_sequences, cfg.seq_len):
-            raise ValueError(f"{path}: rollouts of shape {tuple(rollouts.shape)}, this run needs "
-                             f"({cfg.rollout_sequences}, {cfg.seq_len}): delete the file or match the settings")
-        return rollouts
+        stored = torch.load(path)
+        made_with = {k: stored.get(k) for k in settings} if isinstance(stored, dict) else None
+        if made_with != settings:
+            raise ValueError(f"{path}: rollouts made with {made_with}, this run needs {settings}: delete the file "
+                             "or match the settings")
+        return stored["rollouts"]
     rollouts = generate_rollouts(model, stream, cfg.rollout_sequences, cfg.rollout_prompt_tokens, cfg.seq_len,
                                  seed=cfg.seed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(rollouts, path)
+        torch.save({"rollouts": rollouts, **settings}, path)
     return rollouts
 
 

@@ -61,7 +61,8 @@ class LevelFit:
 def distill_level(draft_logits: torch.Tensor, target_logits: torch.Tensor, draft_ids: torch.Tensor | None,
                   t2d: torch.Tensor | None, tv_weight: float = 0.0) -> LevelFit:
     """Soft-label cross-entropy of one draft level against the target's distribution, plus ``tv_weight`` times
-    the total-variation distance (the rejection probability of rejection sampling at T = 1, trained directly).
+    the total-variation distance (the rejection probability of rejection sampling at T = 1, trained directly;
+    with a reduced draft vocabulary, against the renormalised target, like the cross-entropy).
 
     draft_logits [B, N, Vd] (draft vocabulary); target_logits [B, N, V] for the same predicted tokens;
     draft_ids [Vd] (target id of each draft id) and t2d [V] bool, or None when Vd == V. As in EAGLE-3 /
@@ -71,10 +72,11 @@ def distill_level(draft_logits: torch.Tensor, target_logits: torch.Tensor, draft
     """
     target_top = target_logits.argmax(-1)  # [B, N]
     keep = torch.ones_like(target_top, dtype=torch.bool) if t2d is None else t2d[target_top]
-    p = F.softmax(target_logits.float(), dim=-1)
+    target_logits = target_logits.float()
+    p = F.softmax(target_logits, dim=-1)  # the target's full distribution, read on the draft vocabulary
+    p_draft = p if draft_ids is None else F.softmax(target_logits[..., draft_ids], dim=-1)  # renormalised
     if draft_ids is not None:
         p = p[..., draft_ids]
-    p_draft = p / p.sum(-1, keepdim=True)
     log_q = F.log_softmax(draft_logits.float(), dim=-1)
     per_position = -(p_draft * log_q).sum(-1)  # [B, N]
     overlap = torch.minimum(p, log_q.exp()).sum(-1)  # [B, N]
