@@ -136,3 +136,25 @@ def test_draft_len_schedule_in_graphs_equals_eager(rejection):
     keys = models[0].graph_runner.graphs
     assert {(size, k) for size, k, next_k, *_ in keys if k == next_k} >= {(1, 3), (2, 2), (4, 1), (4, 0)}
     assert any(k != next_k for _, k, next_k, *_ in keys)  # a step that changed the length replayed its own graph
+
+
+def test_a_graph_captured_mid_generation_leaves_the_requests_state_alone():
+    """A step that changes the draft length captures its graph during generation; its warm-up steps must run on
+    padding rows: the real requests' draft distributions (what the replay verifies against) stay as they were."""
+    target, head = tiny_pair("llama")
+    config = eagle3(head, 3).model_copy(update={"draft_len_schedule": {1: 3, 2: 2, 3: 1, 4: 0},
+                                                "use_rejection_sampling": True})
+    model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=4)
+    runner, real = model.graph_runner, torch.arange(5, device="cuda") != model.kv_cache.padding_slot
+    capture, moved = runner._capture, []
+
+    def checked(size, draft_len):
+        before = model.worker.draft_probs[real].clone()
+        graph = capture(size, draft_len)
+        moved.append(not torch.equal(before, model.worker.draft_probs[real]))
+        return graph
+
+    runner._capture = checked
+    model.generate(PROMPTS, [SamplingParams(max_new_tokens=n, temperature=0.9) for n in MAX_NEW], seed=2)
+    assert len(moved) > len(runner._bucket_draft_lens())  # some graphs were captured during generation
+    assert not any(moved)
