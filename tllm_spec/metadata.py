@@ -51,7 +51,7 @@ class SpecMetadata:
         self.num_context_requests = 0
         self.num_generation_requests = 0
         self.draft_len = self.next_draft_len = max_draft_len
-        self._prepared: tuple = ([], (), max_draft_len)  # params, context lens, draft_len the rows hold now
+        self._prepared: tuple[list[SamplingParams], tuple[int, ...]] = ([], ())  # what the rows hold now
         self.all_greedy = True
         self.has_request_seeds = False
 
@@ -80,7 +80,7 @@ class SpecMetadata:
         self.next_draft_len = self.max_draft_len if next_draft_len is None else next_draft_len
         if self._holds(params, context_lens, draft_len):
             return  # a steady batch: the rows are already there (no host work, no copies)
-        self._prepared = (list(params), tuple(context_lens), draft_len)
+        self._prepared = (list(params), tuple(context_lens))
         self.draft_len = draft_len
         num_ctx, rows_per_gen = len(context_lens), draft_len + 1
         self.num_context_requests, self.num_generation_requests = num_ctx, len(params) - num_ctx
@@ -102,8 +102,8 @@ class SpecMetadata:
             self.seeded_rows[:rows].copy_(seeded, non_blocking=True)
 
     def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int], draft_len: int) -> bool:
-        held, held_lens, held_draft_len = self._prepared
-        return (tuple(context_lens) == held_lens and draft_len == held_draft_len and len(params) == len(held)
+        held, held_lens = self._prepared
+        return (tuple(context_lens) == held_lens and draft_len == self.draft_len and len(params) == len(held)
                 and all(a is b for a, b in zip(params, held)))
 
     def first_rows(self) -> torch.Tensor:

@@ -43,7 +43,7 @@ class SpecModel(nn.Module):
         self.target, self.worker, self.mode, self.tokenizer = target, worker, mode, tokenizer
         self.engine_config = engine_config
         self.max_draft_len = worker.max_draft_len
-        self._schedule = sorted((draft_len_schedule or {1: self.max_draft_len}).items())  # [(min batch, k)]
+        self.set_draft_len_schedule(draft_len_schedule)  # self._schedule: [(smallest batch size, k)], sorted
         self.max_batch_size = engine_config.max_batch_size
         self.max_seq_len = engine_config.max_seq_len or min(
             getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
