@@ -12,6 +12,7 @@ import pytest
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.mtp import save_random_mtp_weights
 from tllm_spec.drafts.mtp_checkpoint import LAYOUTS
+from tllm_spec.layers import DecoderLayer
 from tllm_spec.random_models import save_random_target, target_config
 from tllm_spec.spec_model import SpecModel
 
@@ -54,6 +55,7 @@ def test_greedy_lossless_batch3(arch, mode):
     model = SpecModel.from_pretrained(target, MODES[mode], max_batch_size=3)
     outs = check_lossless(target, model, PROMPTS[:3], MAX_NEW[:3])
     assert outs.stats["steps"] > 0 and model.max_draft_len == MODES[mode].num_draft_tokens
+    assert all(isinstance(m.block, DecoderLayer) for m in model.worker.draft_model.mtp_modules)  # fused blocks
 
 
 @pytest.mark.parametrize("mode", ["vanilla3", "eagle_k3"])

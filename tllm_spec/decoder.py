@@ -83,6 +83,12 @@ def _supported_rotary(rotary: nn.Module | None) -> bool:
     return rotary is not None and getattr(rotary, "rope_type", None) in RotaryTable.STATIC_ROPE_TYPES
 
 
+def fused_layer(layer: nn.Module, index: int, rotary: nn.Module | None) -> DecoderLayer | None:
+    """One stock decoder layer (writing KV layer ``index``) as a fused layer, or None when the layer or its
+    rotary embedding is not a supported kind (an MTP module's block)."""
+    return _fuse_layer(layer, index) if _supported_layer(layer) and _supported_rotary(rotary) else None
+
+
 def _fuse_layer(layer: nn.Module, index: int) -> DecoderLayer:
     attn, mlp = layer.self_attn, layer.mlp
     window = getattr(attn, "sliding_window", None)

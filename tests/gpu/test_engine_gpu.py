@@ -2,10 +2,12 @@
 import pytest
 import torch
 
-from tllm_spec import SamplingParams
+from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
 
 from ..models import eagle3, hf_greedy, tiny_pair
+from ..test_mtp_lossless import mtp_target
 
 pytestmark = pytest.mark.cuda
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
@@ -158,3 +160,17 @@ def test_a_graph_captured_mid_generation_leaves_the_requests_state_alone():
     model.generate(PROMPTS, [SamplingParams(max_new_tokens=n, temperature=0.9) for n in MAX_NEW], seed=2)
     assert len(moved) > len(runner._bucket_draft_lens())  # some graphs were captured during generation
     assert not any(moved)
+
+
+@pytest.mark.parametrize("vanilla", [False, True])
+def test_mtp_graphed_greedy_is_lossless_fp32(vanilla):
+    """MTP (modules on fused layers) in CUDA graphs: greedy output equals HF generate."""
+    target = mtp_target("qwen2", "mimo")
+    config = (MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True) if vanilla
+              else MTPConfig(num_nextn_predict_layers=1, max_draft_len=3))
+    model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    assert model.graph_runner.graphs and all(isinstance(m.block, DecoderLayer)
+                                             for m in model.worker.draft_model.mtp_modules)
+    for p, n, out in zip(PROMPTS, MAX_NEW, outs):
+        assert out.token_ids == hf_greedy(target, p, n)

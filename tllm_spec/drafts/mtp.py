@@ -12,6 +12,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..attention import AttentionMetadata
+from ..decoder import fused_layer
+from ..layers import DecoderLayer, RotaryTable
 from .mtp_checkpoint import HEAD_KEY, OWN_KEYS, MTPCheckpoint, save_mtp_weights
 
 _OWN_PREFIXES = tuple(k.split(".")[0] for k in OWN_KEYS)
@@ -40,8 +42,11 @@ class MTPModule(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
-        """embeds [N, H] (token t_{i+1}), hidden [N, H] (h_i) -> block output before shared_head.norm [N, H]."""
+        """embeds [N, H] (token t_{i+1}), hidden [N, H] (h_i) -> block output before shared_head.norm [N, H].
+        position_embeddings: the HF rotary's (cos, sin) [1, N, D], or a RotaryTable's when the block is fused."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        if isinstance(self.block, DecoderLayer):
+            return self.block(x, position_embeddings, attn)
         out = self.block(x[None], attention_mask=None, position_ids=attn.positions[None],
                          position_embeddings=position_embeddings, tllm_attn=attn)
         return (out[0] if isinstance(out, tuple) else out)[0]  # transformers < 5 returned a tuple
@@ -78,6 +83,7 @@ class MTPDraftModel(nn.Module):
         self.mtp_modules = nn.ModuleList(mtp_modules)
         self.embed_tokens, self.lm_head, self.rotary_emb = embed_tokens, lm_head, rotary_emb
         self.feed_post_norm = mtp_hidden_feedback == "post_norm"
+        self.rope_table: RotaryTable | None = None  # set by fuse()
 
     @classmethod
     def from_checkpoint(cls, ckpt: MTPCheckpoint, target, mtp_hidden_feedback: str, dtype: torch.dtype,
@@ -101,6 +107,20 @@ class MTPDraftModel(nn.Module):
         return cls(mtp_modules, target.decoder.embed_tokens, target.lm_head, target.decoder.rotary_emb,
                    mtp_hidden_feedback)
 
+    def fuse(self, max_positions: int) -> None:
+        """Inference fast path: every module's block as a fused layer (one q/k/v and one gate/up GEMM) and a
+        precomputed RoPE table for positions < max_positions; blocks of an unsupported kind keep the stock path."""
+        if self.rope_table is not None:
+            if self.rope_table.max_positions < max_positions:
+                self.rope_table.resize(max_positions)
+            return
+        blocks = [fused_layer(m.block, m.kv_layer, self.rotary_emb) for m in self.mtp_modules]
+        if all(block is not None for block in blocks):
+            for module, block in zip(self.mtp_modules, blocks):
+                module.block = block
+            dtype = self.mtp_modules[0].eh_proj.weight.dtype
+            self.rope_table = RotaryTable.from_hf(self.rotary_emb, max_positions, dtype)
+
     def kv_shapes(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each module's KV layer."""
         return [module.kv_shape for module in self.mtp_modules]
@@ -110,7 +130,8 @@ class MTPDraftModel(nn.Module):
         """Module ``module`` over N tokens: input_ids [N] (t_{i+1}), hidden [N, H] (h_i) at attn.positions (i)
         -> pre-norm hidden [N, H]."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        position_embeddings = self.rotary_emb(hidden[None], attn.positions[None])
+        position_embeddings = (self.rotary_emb(hidden[None], attn.positions[None]) if self.rope_table is None
+                               else self.rope_table(attn.positions))
         return self.mtp_modules[module](embeds, hidden, position_embeddings, attn)
 
     def compute_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,9 @@ class _MTPWorkerBase(SpecWorkerBase):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return self.draft_model.kv_shapes()
 
+    def fuse(self, max_positions: int) -> None:
+        self.draft_model.fuse(max_positions)
+
     def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
