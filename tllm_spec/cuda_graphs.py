@@ -47,6 +47,16 @@ def pack_outputs(out: dict[str, torch.Tensor], max_draft_len: int) -> torch.Tens
                      dim=1)
 
 
+def generation_step(model: SpecModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    drafts: torch.Tensor) -> torch.Tensor:
+    """One generation-only step, as captured: ids, positions, slots [B*(k+1)] int64 in the flat layout; drafts
+    [B, k] int64 (k = spec_metadata.draft_len) -> packed outputs [B, 2K+3] int64."""
+    kv = model.kv_cache
+    attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
+                                   tokens_per_request=drafts.shape[1] + 1)
+    return model.packed_forward(ids, attn, drafts)
+
+
 class CUDAGraphRunner:
     """Captures lazily, on the first step of each bucket; replays afterwards."""
 
@@ -119,12 +129,9 @@ class CUDAGraphRunner:
 
     def _forward(self, size: int, draft_len: int) -> torch.Tensor:
         tokens = size * (draft_len + 1)
-        ids, positions, slots = self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens]
         drafts = self.inputs[3, :size * draft_len].view(size, draft_len)
-        kv = self.model.kv_cache
-        attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
-                                       tokens_per_request=draft_len + 1)
-        return self.model.packed_forward(ids, attn, drafts)
+        return generation_step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
+                               drafts)
 
     def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so

@@ -1,0 +1,46 @@
+"""The generation step traces as one torch.compile graph (no graph break) for every worker and for sampled
+steps on the torch path: the precondition for compiling the step whole, target, acceptance and draft passes
+together. (CUDAGraphRunner compiles the target's and the EAGLE-3 head's layers today: compiled whole, the
+step's batch size still specializes, through SpecMetadata's host-side row counts, so every bucket would
+compile its own graph.)"""
+import pytest
+import torch
+
+from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec.cuda_graphs import generation_step
+from tllm_spec.spec_model import SpecModel
+
+from .models import eagle3, tiny_pair
+from .test_mtp_lossless import mtp_target
+
+BATCH = 3
+
+
+def _model(worker: str, rejection: bool) -> SpecModel:
+    if worker == "eagle3":
+        target, head = tiny_pair("qwen3")
+        config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection})
+        return SpecModel.from_pretrained(target, config, dtype=torch.float32, max_batch_size=BATCH)
+    if worker.startswith("mtp"):
+        config = (MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True) if worker == "mtp_vanilla" else
+                  MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, use_rejection_sampling=rejection))
+        return SpecModel.from_pretrained(mtp_target("llama", "deepseek"), config, max_batch_size=BATCH)
+    return SpecModel.from_pretrained(tiny_pair("llama")[0], None, dtype=torch.float32, max_batch_size=BATCH)
+
+
+@pytest.mark.parametrize("worker,temperature", [("eagle3", 0.0), ("eagle3", 0.8), ("mtp", 0.8), ("mtp_vanilla", 0.0),
+                                                ("plain", 0.0)])
+def test_generation_step_is_one_graph(worker, temperature):
+    model = _model(worker, rejection=temperature > 0)
+    k = model.max_draft_len
+    model.spec_metadata.prepare([SamplingParams(temperature=temperature, top_k=20)] * BATCH, (), k, k)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 90, (BATCH * (k + 1),), generator=gen)
+    positions = torch.arange(k + 1).repeat(BATCH) + 6
+    slots = torch.arange(BATCH).repeat_interleave(k + 1)
+    drafts = torch.randint(0, 90, (BATCH, k), generator=gen)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(generation_step)(model, ids, positions, slots, drafts)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1 and explained.op_count > 0
+    torch._dynamo.reset()
