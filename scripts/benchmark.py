@@ -180,7 +180,11 @@ def plot(results: dict, path: Path) -> None:
         print("matplotlib not installed: plot skipped (pip install matplotlib; then --plot-only)")
         return
     batches = sorted({p["batch"] for p in results["points"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+    variants = list(dict.fromkeys(p.get("variant", "default") for p in results["points"]))
+    panels = len(batches) + (len(variants) > 1)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
+    if len(variants) > 1:
+        plot_variants(axes[0][-1], results["points"], variants, results["k"])
     for ax, batch in zip(axes[0], batches):
         default = [p for p in results["points"] if p.get("variant", "default") == "default"]
         spec = sorted((p for p in default if p["batch"] == batch and p["mode"] == "eagle3"),
@@ -204,6 +208,27 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
+
+
+def plot_variants(ax, points: list[dict], variants: list[str], k: int) -> None:
+    """--compare-eager: tok/s of each fast-path step, no speculation and EAGLE-3 with K forced, per batch size,
+    relative to the stock HF layers (the gain of each step)."""
+    groups = [(mode, batch) for mode in ("none", "eagle3") for batch in sorted({p["batch"] for p in points})]
+    base = variants[-1]
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        speed = {(p["mode"], p["batch"]): p["tokens_per_second"] for p in points if p.get("variant") == variant
+                 and (p["mode"] == "none" or p["forced_drafts"] == k)}
+        ref = {(p["mode"], p["batch"]): p["tokens_per_second"] for p in points if p.get("variant") == base
+               and (p["mode"] == "none" or p["forced_drafts"] == k)}
+        ax.bar([g + i * width for g in range(len(groups))], [speed[g] / ref[g] for g in groups], width,
+               label=variant)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                  [f"{'plain' if m == 'none' else f'EAGLE-3 {k}/{k}'}\nbatch {b}" for m, b in groups], fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylabel(f"speed relative to {base}")
+    ax.set_title("each step of the fast path")
+    ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":
