@@ -51,6 +51,7 @@ def generation_step(model: SpecModel, ids: torch.Tensor, positions: torch.Tensor
                     drafts: torch.Tensor) -> torch.Tensor:
     """One generation-only step, as captured: ids, positions, slots [B*(k+1)] int64 in the flat layout; drafts
     [B, k] int64 (k = spec_metadata.draft_len) -> packed outputs [B, 2K+3] int64."""
+    model.spec_metadata.bind_generation_requests(drafts)
     kv = model.kv_cache
     attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
                                    tokens_per_request=drafts.shape[1] + 1)

@@ -101,6 +101,11 @@ class SpecMetadata:
             self.seed_per_row[:rows].copy_(seeds, non_blocking=True)
             self.seeded_rows[:rows].copy_(seeded, non_blocking=True)
 
+    def bind_generation_requests(self, drafts: torch.Tensor) -> None:
+        """Take a generation-only step's request count from its drafts' shape [G, k] (the number :meth:`prepare`
+        set): traced by torch.compile, the batch size then stays symbolic instead of a constant per bucket."""
+        self.num_generation_requests = drafts.shape[0]
+
     def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int], draft_len: int) -> bool:
         held, held_lens = self._prepared
         return (tuple(context_lens) == held_lens and draft_len == self.draft_len and len(params) == len(held)
