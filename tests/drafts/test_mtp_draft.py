@@ -4,7 +4,8 @@ Reference (DeepSeek-V3 chain): committed tokens s_0..s_L, target hiddens h_0..h_
 runs over positions 0..L-1 with token x[i+k+1] (x = s followed by the drafts so far) and the hidden handed
 on by module k-1 at the same position; its draft comes from position L-1. MTP-Eagle runs module 0
 EAGLE-style: each new draft extends the sequence by one position whose hidden is the fed-back output.
-Attention is SDPA on a copy of each block, so neither our attention nor our cache takes part.
+Attention is SDPA on a copy of each block, so neither our attention nor our cache takes part; the blocks are
+the stock HF layers of a second, unfused load of the same checkpoint, so neither do our fused layers.
 """
 import copy
 import functools
@@ -31,6 +32,11 @@ def sharp_target(arch: str, vocab_size: int, scale: float) -> Path:
     save_random_target(root, target_config(arch, vocab_size=vocab_size), seed=1)
     save_random_mtp_weights(root, 3, "deepseek", seed=2, scale=scale)
     return root
+
+
+def stock_model(target: Path, cfg: MTPConfig) -> SpecModel:
+    """The same checkpoint loaded with the stock HF modules (no fused layers): the reference's weights."""
+    return SpecModel.from_pretrained(target, cfg, max_batch_size=1, use_fused_layers=False)
 
 
 def reference_module(draft_model, k: int, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -91,7 +97,7 @@ def run_recorded(model, prompts, max_new, oracle_refs=None):
     return model.generate(prompts, SamplingParams(max_new_tokens=max_new)), recorded
 
 
-def check_against_reference(model, target, prompts, outs, recorded, vanilla):
+def check_against_reference(stock, target, prompts, outs, recorded, vanilla):
     checked, lengths = 0, set()
     for b, (prompt, out) in enumerate(zip(prompts, outs)):
         total = 0
@@ -99,7 +105,7 @@ def check_against_reference(model, target, prompts, outs, recorded, vanilla):
             total += n
             if total > len(out.token_ids) - 1:
                 break  # the request finished in this step
-            assert recorded[step][b] == reference_drafts(model, target, prompt + out.token_ids[:total], vanilla), \
+            assert recorded[step][b] == reference_drafts(stock, target, prompt + out.token_ids[:total], vanilla), \
                 (b, step)
             checked += 1
             lengths.add(n)
@@ -115,7 +121,7 @@ def test_drafts_equal_cache_free_reference(arch, vanilla):
     outs, recorded = run_recorded(model, PROMPTS, 12)
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(target, prompt, 12)
-    checked, lengths = check_against_reference(model, target, PROMPTS, outs, recorded, vanilla)
+    checked, lengths = check_against_reference(stock_model(target, cfg), target, PROMPTS, outs, recorded, vanilla)
     assert checked >= 15 and len(lengths) >= 2, (checked, lengths)  # some drafts accepted, some rejected
 
 
@@ -129,5 +135,5 @@ def test_full_acceptance_windows_equal_reference(feedback):
     refs = {i: p + hf_greedy(target, p, 30) for i, p in enumerate(PROMPTS)}
     outs, recorded = run_recorded(model, PROMPTS, 13, oracle_refs=refs)
     assert all(set(o.stats.accepted_per_step) == {4} for o in outs)
-    checked, _ = check_against_reference(model, target, PROMPTS, outs, recorded, vanilla=True)
+    checked, _ = check_against_reference(stock_model(target, cfg), target, PROMPTS, outs, recorded, vanilla=True)
     assert checked >= 9

@@ -15,7 +15,7 @@ from tllm_spec.random_models import save_random_target, target_config
 from tllm_spec.spec_model import SpecModel
 
 from ..models import hf_greedy, hf_model
-from .test_mtp_draft import PROMPTS, reference_module, run_recorded
+from .test_mtp_draft import PROMPTS, reference_module, run_recorded, stock_model
 
 PER_STEP = MTPConfig(num_nextn_predict_layers=2, max_draft_len=3, mtp_layer_selection="per_step")
 
@@ -65,6 +65,7 @@ def test_per_step_drafts_equal_cache_free_reference():
     target, heads = headed_target("llama", 6, 4.0)
     model = SpecModel.from_pretrained(target, PER_STEP, max_batch_size=3)
     outs, recorded = run_recorded(model, PROMPTS, 12)
+    stock = stock_model(target, PER_STEP)
     checked, lengths = 0, set()
     for b, (prompt, out) in enumerate(zip(PROMPTS, outs)):
         assert out.token_ids == hf_greedy(target, prompt, 12)
@@ -73,7 +74,7 @@ def test_per_step_drafts_equal_cache_free_reference():
             total += n
             if total > len(out.token_ids) - 1:
                 break  # the request finished in this step
-            assert recorded[step][b] == reference_drafts(model, target, heads, prompt + out.token_ids[:total]), \
+            assert recorded[step][b] == reference_drafts(stock, target, heads, prompt + out.token_ids[:total]), \
                 (b, step)
             checked, lengths = checked + 1, lengths | {n}
     assert checked >= 12 and len(lengths) >= 2, (checked, lengths)  # some drafts accepted, some rejected
