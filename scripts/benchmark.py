@@ -213,16 +213,18 @@ def plot(results: dict, path: Path) -> None:
 def plot_variants(ax, points: list[dict], variants: list[str], k: int) -> None:
     """--compare-eager: tok/s of each fast-path step, no speculation and EAGLE-3 with K forced, per batch size,
     relative to the stock HF layers (the gain of each step)."""
-    groups = [(mode, batch) for mode in ("none", "eagle3") for batch in sorted({p["batch"] for p in points})]
+    def speeds(variant: str) -> dict[tuple[str, int], float]:
+        return {(p["mode"], p["batch"]): p["tokens_per_second"] for p in points if p.get("variant") == variant
+                and (p["mode"] == "none" or p["forced_drafts"] == k)}
+
     base = variants[-1]
+    by_variant = {variant: speeds(variant) for variant in variants}
+    groups = [(mode, batch) for mode in ("none", "eagle3") for batch in sorted({p["batch"] for p in points})
+              if all((mode, batch) in v for v in by_variant.values())]  # a cut-short run lacks some points
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
-        speed = {(p["mode"], p["batch"]): p["tokens_per_second"] for p in points if p.get("variant") == variant
-                 and (p["mode"] == "none" or p["forced_drafts"] == k)}
-        ref = {(p["mode"], p["batch"]): p["tokens_per_second"] for p in points if p.get("variant") == base
-               and (p["mode"] == "none" or p["forced_drafts"] == k)}
-        ax.bar([g + i * width for g in range(len(groups))], [speed[g] / ref[g] for g in groups], width,
-               label=variant)
+        ax.bar([g + i * width for g in range(len(groups))],
+               [by_variant[variant][g] / by_variant[base][g] for g in groups], width, label=variant)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
                   [f"{'plain' if m == 'none' else f'EAGLE-3 {k}/{k}'}\nbatch {b}" for m, b in groups], fontsize=7)
     ax.axhline(1.0, color="grey", linewidth=0.8)

@@ -197,9 +197,9 @@ class EngineConfig(_Frozen):
                                   "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
-    use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral) and "
-                                   "EAGLE-3 heads through tllm_spec's layers with fused q/k/v and gate/up GEMMs; "
-                                   "False: the stock HF modules")
+    use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral), "
+                                   "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "
+                                   "gate/up GEMMs; False: the stock HF modules")
     compile_step: bool = Field(True, description="CUDA: torch.compile, inside each CUDA-graph bucket's step, the "
                                "fused decoder whole (or the stock decoder layers one by one) and the EAGLE-3 "
                                "head's passes; ignored on CPU and with enforce_eager")

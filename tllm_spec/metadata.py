@@ -104,6 +104,11 @@ class SpecMetadata:
     def bind_generation_requests(self, drafts: torch.Tensor) -> None:
         """Take a generation-only step's request count from its drafts' shape [G, k] (the number :meth:`prepare`
         set): traced by torch.compile, the batch size then stays symbolic instead of a constant per bucket."""
+        if not torch.compiler.is_compiling() and (self.num_context_requests or
+                                                  drafts.shape[0] != self.num_generation_requests):
+            raise ValueError(f"a generation step of {drafts.shape[0]} requests, but the rows were prepared for "
+                             f"{self.num_context_requests} context and {self.num_generation_requests} generation "
+                             "requests")
         self.num_generation_requests = drafts.shape[0]
 
     def _holds(self, params: Sequence[SamplingParams], context_lens: Sequence[int], draft_len: int) -> bool:

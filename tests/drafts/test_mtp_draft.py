@@ -17,6 +17,7 @@ import torch
 
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.mtp import save_random_mtp_weights
+from tllm_spec.layers import DecoderLayer
 from tllm_spec.random_models import save_random_target, target_config
 from tllm_spec.spec_model import SpecModel
 
@@ -137,3 +138,24 @@ def test_full_acceptance_windows_equal_reference(feedback):
     assert all(set(o.stats.accepted_per_step) == {4} for o in outs)
     checked, _ = check_against_reference(stock_model(target, cfg), target, PROMPTS, outs, recorded, vanilla=True)
     assert checked >= 9
+
+
+@pytest.mark.parametrize("vanilla", [True, False], ids=["vanilla2", "eagle3"])
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {"head_dim": 32}), ("mistral", {"sliding_window": 5})],
+                         ids=["qwen3", "mistral"])
+def test_fused_mtp_blocks_draft_as_the_stock_blocks(arch, overrides, vanilla):
+    """Qwen3 (q/k norms) and Mistral (a sliding window the prompts cross): the fused MTP blocks propose,
+    step by step, the drafts of the stock HF blocks loaded from the same checkpoint."""
+    root = Path(tempfile.mkdtemp(prefix=f"tllm_spec_mtp_{arch}_"))
+    save_random_target(root, target_config(arch, vocab_size=8, **overrides), seed=1)
+    save_random_mtp_weights(root, 2, "deepseek", seed=2, scale=4.0)
+    cfg = MTPConfig(num_nextn_predict_layers=2, use_mtp_vanilla=True) if vanilla else MTPConfig(max_draft_len=3)
+    prompts = [PROMPTS[0] + [3, 4, 5, 2, 1, 0], PROMPTS[1], PROMPTS[2]]
+    runs = []
+    for fused in (True, False):
+        model = SpecModel.from_pretrained(root, cfg, max_batch_size=3, use_fused_layers=fused)
+        assert fused == all(isinstance(m.block, DecoderLayer) for m in model.worker.draft_model.mtp_modules)
+        outs, recorded = run_recorded(model, prompts, 14)
+        runs.append(([o.token_ids for o in outs], recorded))
+    assert runs[0] == runs[1] and len(runs[0][1]) >= 5
+    assert all(out == hf_greedy(root, p, 14) for out, p in zip(runs[0][0], prompts))

@@ -52,7 +52,10 @@ class MTPModule(nn.Module):
         return (out[0] if isinstance(out, tuple) else out)[0]  # transformers < 5 returned a tuple
 
     def canonical_state(self) -> dict[str, torch.Tensor]:
-        """Weights under canonical checkpoint keys (block keys without the ``block.`` prefix)."""
+        """Weights under canonical checkpoint keys (block keys without the ``block.`` prefix); a module whose
+        block is fused (inference) has no canonical keys."""
+        if isinstance(self.block, DecoderLayer):
+            raise ValueError("canonical MTP keys name the stock block's tensors; this module's block is fused")
         return {k.removeprefix("block."): v for k, v in self.state_dict().items()}
 
     def load_canonical(self, state: dict[str, torch.Tensor], name_of) -> None:
