@@ -40,29 +40,44 @@ def _unusable(reason: str) -> None:
     return None
 
 
+@torch.compiler.assume_constant_result  # a compiled step bakes the answer in instead of tracing the import
 def available(device: torch.device) -> bool:
     return device.type == "cuda" and load_flashinfer() is not None
 
 
+# FlashInfer's samplers as torch custom ops, so a compiled generation step traces them as single nodes (no graph
+# break) and Inductor fuses the elementwise work around them. seed/offset are read on the device, not mutated.
+@torch.library.custom_op("tllm_spec::flashinfer_top_k_top_p_sample", mutates_args=())
 def top_k_top_p_sample(probs_logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                        seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Sample one token per row from temperature-scaled logits [R, V] (top_ks [R] int32, top_ps [R] f32).
-
-    seed/offset are [1] int64 device tensors: read on the device, so the call is CUDA-graph safe.
-    """
+    """Sample one token per row from temperature-scaled logits [R, V] (top_ks [R] int32, top_ps [R] f32) ->
+    [R] int64. seed/offset are [1] int64 device tensors: read on the device, so the call is CUDA-graph safe."""
     fi = load_flashinfer()
     return fi.sampling.top_k_top_p_sampling_from_logits(
-        probs_logits, top_ks, top_ps, deterministic=True, check_nan=False, seed=seed, offset=offset)
+        probs_logits, top_ks, top_ps, deterministic=True, check_nan=False, seed=seed, offset=offset
+    ).to(torch.int64)
 
 
+@top_k_top_p_sample.register_fake
+def _(probs_logits, top_ks, top_ps, seed, offset):
+    return probs_logits.new_empty(probs_logits.shape[0], dtype=torch.int64)
+
+
+@torch.library.custom_op("tllm_spec::flashinfer_chain_speculative_sampling", mutates_args=())
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_ids: torch.Tensor, target_probs: torch.Tensor,
-                               seed: torch.Tensor, offset: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flashinfer's rejection sampler: (tokens [B, n+1] padded with -1, accepted [B], emitted [B]) int32."""
+                               seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """flashinfer's rejection sampler: the tokens [B, n+1] int64, accepted drafts then the correction/bonus,
+    padded with -1."""
     fi = load_flashinfer()
     num_rows = draft_ids.shape[0]
     accepted = torch.zeros(num_rows, dtype=torch.int32, device=draft_ids.device)
     emitted = torch.zeros(num_rows, dtype=torch.int32, device=draft_ids.device)
-    return fi.sampling.chain_speculative_sampling(
+    tokens, _, _ = fi.sampling.chain_speculative_sampling(
         draft_probs, draft_ids.to(torch.int32), target_probs, accepted, emitted,
         deterministic=True, seed=seed, offset=offset)
+    return tokens.to(torch.int64)
+
+
+@chain_speculative_sampling.register_fake
+def _(draft_probs, draft_ids, target_probs, seed, offset):
+    return draft_ids.new_empty(draft_ids.shape[0], draft_ids.shape[1] + 1, dtype=torch.int64)

@@ -30,8 +30,15 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor, shape: tuple[int, ...], sa
     """Uniform floats in (0, 1), float32, of ``shape``, on ``seed``'s device.
 
     seed, offset: [1] int64 (one stream) or [shape[0]] int64 (one stream per row), device tensors.
-    ``salt`` separates independent streams of one step.
+    ``salt`` separates independent streams of one step. Inside torch.compile the draw is one opaque op:
+    Inductor would fold the hash's 32-bit multipliers into int32 index arithmetic, which overflows.
     """
+    if torch.compiler.is_compiling():
+        return _uniform_op(seed, offset, list(shape), salt)
+    return _uniform(seed, offset, tuple(shape), salt)
+
+
+def _uniform(seed: torch.Tensor, offset: torch.Tensor, shape: tuple[int, ...], salt: int) -> torch.Tensor:
     per_key = math.prod(shape[1:]) if seed.numel() > 1 or offset.numel() > 1 else math.prod(shape)
     index = torch.arange(per_key, device=seed.device, dtype=torch.int64)[None]  # [1, N]
     folded = seed ^ (seed >> 32)  # 63-bit request seeds: the high half counts too (a no-op below 2**32)
@@ -40,6 +47,16 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor, shape: tuple[int, ...], sa
     bits = _mix32(bits + (index >> 32))
     # 23 random bits, centred in their bucket: exactly representable, never 0 or 1 in float32.
     return ((bits >> 9).to(torch.float32) + 0.5).mul_(1.0 / 8388608.0).view(shape)
+
+
+@torch.library.custom_op("tllm_spec::uniform", mutates_args=())
+def _uniform_op(seed: torch.Tensor, offset: torch.Tensor, shape: list[int], salt: int) -> torch.Tensor:
+    return _uniform(seed, offset, tuple(shape), salt)
+
+
+@_uniform_op.register_fake
+def _(seed, offset, shape, salt):
+    return seed.new_empty(shape, dtype=torch.float32)
 
 
 def advance(seed: torch.Tensor) -> None:

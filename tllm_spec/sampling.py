@@ -37,7 +37,7 @@ def sample_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: 
     """FlashInfer path of :func:`sample` (CUDA only)."""
     top_ks = sanitize_top_ks(top_ks, logits.shape[-1])
     scaled = logits.float() / temperatures.clamp(min=MIN_TEMPERATURE).unsqueeze(-1)
-    sampled = flashinfer_ops.top_k_top_p_sample(scaled, top_ks, top_ps, seed, offset).to(torch.int64)
+    sampled = flashinfer_ops.top_k_top_p_sample(scaled, top_ks, top_ps, seed, offset)
     rng.advance(seed)
     return torch.where(top_ks == 1, logits.argmax(-1), sampled)
 
