@@ -72,3 +72,17 @@ def test_one_compiled_step_serves_every_batch_size():
             out = compiled(model, ids, positions, slots, drafts)
             assert torch.equal(out, generation_step(model, ids, positions, slots, drafts))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_uniform_draws_the_eager_numbers_when_compiled():
+    """Compiled, the counter-based draw is one opaque op (its 32-bit hash constants must not reach Inductor's
+    int32 index arithmetic) and gives the eager numbers, for the batch stream and per-row streams."""
+    from tllm_spec import rng
+
+    def draw(seed, offset, rows):
+        return rng.uniform(seed, offset, (rows, 37), salt=3) * 2
+
+    compiled = torch.compile(draw, fullgraph=True, dynamic=True)
+    for seed, offset in ((torch.tensor([5]), torch.tensor([9])), (torch.arange(4) + 2**40, torch.arange(4))):
+        rows = 4 if seed.numel() > 1 else 3
+        assert torch.equal(compiled(seed, offset, rows), draw(seed, offset, rows))

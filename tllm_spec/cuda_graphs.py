@@ -6,10 +6,13 @@ Inputs live in one static int64 buffer (token ids, positions, slots, drafts), re
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
 to its bucket with greedy dummy requests whose block-table row points only at the scratch page, so their
 K/V writes land where nobody reads. Target verify, acceptance, sampling and all K draft passes replay as
-one graph.
+one graph. With ``compile_step`` on a fused single-GPU target, the step is one torch.compile graph (target
+layers, acceptance, sampling, draft passes; dynamic shapes, so one compilation serves every bucket above 1)
+replayed inside each CUDA graph.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -19,6 +22,7 @@ from tqdm.auto import tqdm
 
 from .attention import AttentionMetadata
 from .config import SamplingParams
+from .layers import COMPILE_OPTIONS
 from .metadata import sampling_variant
 
 if TYPE_CHECKING:
@@ -58,11 +62,29 @@ def generation_step(model: SpecModel, ids: torch.Tensor, positions: torch.Tensor
     return model.packed_forward(ids, attn, drafts)
 
 
-class CUDAGraphRunner:
-    """Captures lazily, on the first step of each bucket; replays afterwards."""
+def compiled_generation_step():
+    """:func:`generation_step` under torch.compile with dynamic shapes; call it inside
+    :func:`step_compile_settings`."""
+    return torch.compile(generation_step, dynamic=True, options=COMPILE_OPTIONS)
 
-    def __init__(self, model: SpecModel):
+
+def step_compile_settings() -> contextlib.ExitStack:
+    """Dynamo settings the compiled step needs: no duck sizing (a batch of 2 must not be tied to a model's 2 KV
+    heads, which would specialise it) and room for one compilation per (sampling variant, draft lengths, batch
+    1 or more) the buckets capture."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
+    stack.enter_context(torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024))
+    return stack
+
+
+class CUDAGraphRunner:
+    """Captures lazily, on the first step of each bucket; replays afterwards. ``compile_step``: capture the
+    step compiled whole (:func:`compiled_generation_step`) instead of eagerly traced kernels."""
+
+    def __init__(self, model: SpecModel, compile_step: bool):
         self.model = model
+        self.step = compiled_generation_step() if compile_step else generation_step
         self.k = model.max_draft_len
         self.buckets = batch_buckets(model.max_batch_size)
         max_tokens = self.buckets[-1] * (self.k + 1)
@@ -131,8 +153,9 @@ class CUDAGraphRunner:
     def _forward(self, size: int, draft_len: int) -> torch.Tensor:
         tokens = size * (draft_len + 1)
         drafts = self.inputs[3, :size * draft_len].view(size, draft_len)
-        return generation_step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
-                               drafts)
+        with step_compile_settings():
+            return self.step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
+                             drafts)
 
     def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so

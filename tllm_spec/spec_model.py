@@ -57,10 +57,21 @@ class SpecModel(nn.Module):
             target.fuse(max_positions)
             worker.fuse(max_positions)
         use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
-        if use_graphs and engine_config.compile_step:
+        self._compile_whole = use_graphs and engine_config.compile_step and self.compiles_step_whole
+        if use_graphs and engine_config.compile_step and not self._compile_whole:
             target.compile()
             worker.compile()
-        self.graph_runner = CUDAGraphRunner(self) if use_graphs else None
+        self.graph_runner = self._new_graph_runner() if use_graphs else None
+
+    def _new_graph_runner(self) -> CUDAGraphRunner:
+        """A runner without captured graphs (the compiled step's Dynamo cache is kept: it lives on the code)."""
+        return CUDAGraphRunner(self, self._compile_whole)
+
+    @property
+    def compiles_step_whole(self) -> bool:
+        """Whether ``compile_step`` compiles the graphed step whole (a fused target on one GPU) rather than the
+        target's layers and the EAGLE-3 head's passes module by module (stock layers, tensor parallel)."""
+        return self.target.fused is not None and self.target.parallel is None
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, spec_config: Eagle3Config | MTPConfig | None = None,
@@ -131,7 +142,7 @@ class SpecModel(nn.Module):
         because the forcing is baked into them."""
         self.worker.forced_num_accepted = read_forced_num_accepted()
         if self.graph_runner is not None:
-            self.graph_runner = CUDAGraphRunner(self)
+            self.graph_runner = self._new_graph_runner()
 
     def enable_guided_decoding(self) -> str | None:
         """Give the worker a guided decoder (once; captured graphs are dropped so that they mask the logits).
@@ -146,7 +157,7 @@ class SpecModel(nn.Module):
             return str(err)
         self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device))
         if self.graph_runner is not None:
-            self.graph_runner = CUDAGraphRunner(self)
+            self.graph_runner = self._new_graph_runner()
         return None
 
     @property

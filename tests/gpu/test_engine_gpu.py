@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec.cuda_graphs import generation_step
 from tllm_spec.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
 
@@ -98,10 +99,40 @@ def test_compiled_graphed_bf16_equals_eager(arch):
     against HF generate cover that equivalence)."""
     _, fast = _model(arch, 3, torch.bfloat16, eager=False)
     _, eager = _model(arch, 3, torch.bfloat16, eager=True)
-    assert fast.target.fused is not None and fast.target._fused_compiled is not None
+    assert fast.compiles_step_whole and fast.graph_runner.step is not generation_step
     params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
     for x, y in zip(fast.generate(PROMPTS, params), eager.generate(PROMPTS, params)):
         assert x.token_ids == y.token_ids
+    fast.refresh_forced_acceptance()  # drops the graphs, keeps the compiled step
+    assert fast.graph_runner.step is not generation_step
+
+
+@pytest.mark.parametrize("spec", ["eagle3", "mtp", "none"])
+@pytest.mark.parametrize("rejection", [False, True])
+def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
+    """The default step compiled whole traces FlashInfer's samplers (torch custom ops) without a graph break,
+    and one dynamic compilation serves every bucket above 1 of a sampling variant."""
+    if spec == "none" and rejection:
+        pytest.skip("plain decoding has no acceptance")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    if spec == "mtp":
+        config = MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, use_rejection_sampling=rejection)
+        model = SpecModel.from_pretrained(mtp_target("llama", "deepseek"), config, dtype=torch.float32,
+                                          device="cuda", max_batch_size=8)
+    else:
+        target, head = tiny_pair("llama")
+        config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection}) if spec == "eagle3" else None
+        model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
+    assert model.compiles_step_whole
+    for size in (1, 2, 3, 5, 8):
+        model.generate(PROMPTS[:size] + PROMPTS[:max(0, size - len(PROMPTS))],
+                       SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20), seed=size)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    variants = {key[1:] for key in model.graph_runner.graphs}
+    assert counters["stats"]["unique_graphs"] <= 2 * len(variants), dict(counters["stats"])  # batch 1 and the rest
+    torch._dynamo.reset()
 
 
 def test_graphs_are_keyed_by_bucket_draft_lens_and_all_greedy():
