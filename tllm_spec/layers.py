@@ -13,10 +13,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, attend
+from .kernels.skinny_linear import skinny_linear
 from .parallel import all_reduce
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
+@torch.library.custom_op("tllm_spec::skinny_linear", mutates_args=())
+def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return skinny_linear(x, weight, bias)
+
+
+@_skinny_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` for x [N, in]. On CUDA through the skinny-GEMM op: a decoding step's few rows (<= 16, bf16
+    or fp16) stream the weight through tllm_spec's kernel, anything else is cuBLAS (decided per call inside the
+    op, so one compiled graph serves both); elsewhere the module itself."""
+    if x.is_cuda:
+        return _skinny_linear_op(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -111,7 +131,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
                 ) -> torch.Tensor:
         """x [N, H_in] -> [N, H]."""
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = linear(x, self.qkv_proj).split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -119,7 +139,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attend(self.kv_layer, q, k, v.view(-1, self.num_kv_heads, self.head_dim), attn, self.scale,
                      self.sliding_window)
-        out = self.o_proj(out.flatten(1))
+        out = linear(out.flatten(1), self.o_proj)
         return out if self.tp_group is None else all_reduce(out, self.tp_group)
 
 
@@ -138,8 +158,8 @@ class MLP(nn.Module):
         return cls(fuse_linears([gate, up]), down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        out = linear(F.silu(gate) * up, self.down_proj)
         return out if self.tp_group is None else all_reduce(out, self.tp_group)
 
 

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
 from .decoder import FusedDecoder
-from .layers import COMPILE_OPTIONS
+from .layers import COMPILE_OPTIONS, linear
 from .parallel import TensorParallel, check_shardable, gather_vocab
 from .sharding import load_sharded, random_sharded
 
@@ -160,7 +160,7 @@ class TargetModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R, V] in fp32 (tensor parallel: this rank's vocabulary slice, gathered from all ranks)."""
-        logits = self.lm_head(hidden)
+        logits = linear(hidden, self.lm_head)
         if self.parallel is not None:
             logits = gather_vocab(logits, self.vocab_size, self.parallel)
         return logits.float()

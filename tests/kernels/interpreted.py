@@ -9,6 +9,7 @@ import torch
 from tllm_spec import kernels
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import paged_attention as attention_module
+from tllm_spec.kernels import skinny_linear as skinny_module
 
 kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for CPU tensors
 
@@ -37,6 +38,17 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
     torch.testing.assert_close(caches[0][0], caches[1][0], rtol=0, atol=0)
     torch.testing.assert_close(caches[0][1], caches[1][1], rtol=0, atol=0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, int, int]) -> None:
+    """fp16 (the interpreter has no bf16 dot): masked rows, features and K tails, the bias epilogue."""
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    x, w = torch.randn(rows, k, generator=g).half(), (torch.randn(n, k, generator=g) * 0.1).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    out = skinny_module.skinny_linear(x, w, b, config=config)
+    ref = skinny_module.skinny_linear_ref(x.float(), w.float(), b.float() if bias else None)
+    assert out.dtype == torch.float16 and out.shape == (rows, n)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
 
 
 def _engine_cases() -> None:
@@ -72,6 +84,9 @@ def main() -> None:
         _paged_case(query_len, num_runs, hq, hkv, window, fused)
         print(f"ok paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} window={window} "
               f"fused_write={fused}")
+    for rows, (n, k), bias in itertools.product([1, 4, 16], [(48, 100), (33, 256), (64, 300)], [False, True]):
+        _skinny_case(rows, n, k, bias, (16, 64, 4, 2))
+        print(f"ok skinny_linear rows={rows} n={n} k={k} bias={bias}")
     _engine_cases()
 
 

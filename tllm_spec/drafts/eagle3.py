@@ -6,7 +6,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..attention import AttentionMetadata, attend
-from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary
+from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary, linear
 from .eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
 
@@ -128,7 +128,7 @@ class Eagle3DraftModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         if hidden.shape[-1] == self.fc.in_features:  # first pass: fuse the target's features
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+            hidden = linear(hidden.to(self.fc.weight.dtype), self.fc)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         return self.midlayer(embeds, hidden, self._rope(hidden, attn.positions), attn)
 
@@ -141,7 +141,7 @@ class Eagle3DraftModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [M, H] -> draft-vocabulary logits [M, V_draft] fp32."""
-        return self.lm_head(self.norm(hidden)).float()
+        return linear(self.norm(hidden), self.lm_head).float()
 
 
 def resolve_capture_layers(override: tuple[int, ...] | None, checkpoint_ids: tuple[int, ...] | None,

@@ -1,0 +1,99 @@
+"""Weight-read speed of a decoding step's projections: cuBLAS (``F.linear``) against tllm_spec's skinny-GEMM
+kernel over a grid of tile configurations, for the few token rows a decoding step has.
+
+Every timed call reads a different copy of the weight (copies together > 4x the L2 cache), and the calls
+replay from one CUDA graph, so the numbers are HBM reads without launch gaps. Prints GB/s per shape, rows and
+variant, the best configuration per shape, and writes the JSON.
+
+    python3 scripts/bench_skinny_linear.py --shape llama-3.1-8b --rows 1 4 --out skinny.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from tllm_spec.kernels.skinny_linear import skinny_linear
+
+SHAPES = {  # name -> [(projection, N, K)]
+    "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                     ("lm_head", 128256, 4096), ("eagle3_fc", 4096, 12288), ("draft_lm_head", 32000, 4096)],
+    "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
+                 ("lm_head", 151936, 4096)],
+}
+GRID = [c for c in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
+        if c[0] * c[1] * 2 * c[3] <= 160 * 1024]  # BLOCK_N, BLOCK_K, warps, stages; weight tiles fit in smem
+
+
+def time_per_call(fn, weights: list[torch.Tensor], reps: int = 5) -> float:
+    """Seconds per call: one CUDA graph calls ``fn(w)`` once per weight copy; median of ``reps`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(weights))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--out", default=None, help="JSON results file")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    results = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "points": []}
+    for name, n, k in SHAPES[args.shape]:
+        copies = max(2, -(-4 * l2 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        nbytes = n * k * 2
+        for rows in args.rows:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, weights[0]).float()
+            point = {"proj": name, "n": n, "k": k, "rows": rows,
+                     "cublas_gbps": nbytes / time_per_call(lambda w: F.linear(x, w), weights) / 1e9, "configs": {}}
+            for config in GRID:
+                try:
+                    err = (skinny_linear(x, weights[0], config=config).float() - ref).abs().max().item()
+                    if err > 0.05 * ref.abs().max().item():
+                        raise AssertionError(f"max error {err}")
+                    seconds = time_per_call(lambda w: skinny_linear(x, w, config=config), weights)
+                except Exception as exc:  # a tile that does not fit this GPU: skip it
+                    print(f"  {name} rows {rows} {config}: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
+                    continue
+                point["configs"][",".join(map(str, config))] = nbytes / seconds / 1e9
+            best = max(point["configs"].items(), key=lambda kv: kv[1])
+            point["best"] = best[0]
+            print(f"{name:14s} N={n:6d} K={k:5d} rows={rows}: cuBLAS {point['cublas_gbps']:6.0f} GB/s, "
+                  f"skinny best {best[1]:6.0f} GB/s ({best[0]}), default "
+                  f"{point['configs'].get('32,256,4,4', float('nan')):6.0f}", flush=True)
+            results["points"].append(point)
+        del weights
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The skinny-GEMM kernel on the GPU: its reference's result for a decoding step's rows; cuBLAS elsewhere."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tllm_spec.kernels.skinny_linear import MAX_ROWS, skinny_linear, supports, tile_config
+from tllm_spec.layers import _skinny_linear_op
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (32000, 4096), (1000, 200), (72, 1030)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    assert supports(x, w)
+    out = skinny_linear(x, w, b)
+    ref = F.linear(x.float(), w.float(), b.float() if bias else None)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for config in {tile_config(n, k), (16, 64, 4, 2), (64, 128, 8, 3)}:  # every tile shape gives the same sums
+        torch.testing.assert_close(skinny_linear(x, w, b, config=config).float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_other_operands_take_cublas_exactly():
+    w = torch.randn(256, 128, device="cuda")
+    for x, weight in ((torch.randn(4, 128, device="cuda"), w),  # fp32: cuBLAS's rounding is kept
+                      (torch.randn(MAX_ROWS + 1, 128, device="cuda").bfloat16(), w.bfloat16()),
+                      (torch.randn(128, 4, device="cuda").bfloat16().t(), w.bfloat16())):  # strided rows
+        assert not supports(x, weight)
+        assert torch.equal(skinny_linear(x, weight), F.linear(x, weight))
+
+
+def test_op_compiles_into_one_graph_with_dynamic_rows():
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    fn = torch.compile(lambda x: _skinny_linear_op(x, w, None).relu(), fullgraph=True, dynamic=True)
+    for rows in (2, 5, 64):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(fn(x), F.linear(x, w).relu(), atol=2e-2, rtol=2e-2)
