@@ -6,6 +6,7 @@ replay from one CUDA graph, so the numbers are HBM reads without launch gaps. Pr
 variant, the best configuration per shape, and writes the JSON.
 
     python3 scripts/bench_skinny_linear.py --shape llama-3.1-8b --rows 1 4 --out skinny.json
+    python3 scripts/bench_skinny_linear.py --plot-only skinny.json     # bar chart beside the JSON
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import argparse
 import itertools
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tllm_spec.kernels.skinny_linear import skinny_linear
+from tllm_spec.kernels.skinny_linear import skinny_linear, tile_config
 
 SHAPES = {  # name -> [(projection, N, K)]
     "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -57,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--out", default=None, help="JSON results file")
+    parser.add_argument("--out", default=None, help="JSON results file (and a bar chart beside it)")
+    parser.add_argument("--plot-only", default=None, help="re-plot an earlier JSON results file")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return 0
     torch.manual_seed(0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     results = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "points": []}
@@ -83,16 +89,42 @@ def main(argv: list[str] | None = None) -> int:
                 point["configs"][",".join(map(str, config))] = nbytes / seconds / 1e9
             best = max(point["configs"].items(), key=lambda kv: kv[1])
             point["best"] = best[0]
+            chosen = point["configs"].get(",".join(map(str, tile_config(n, k))), float("nan"))
             print(f"{name:14s} N={n:6d} K={k:5d} rows={rows}: cuBLAS {point['cublas_gbps']:6.0f} GB/s, "
-                  f"skinny best {best[1]:6.0f} GB/s ({best[0]}), default "
-                  f"{point['configs'].get('32,256,4,4', float('nan')):6.0f}", flush=True)
+                  f"skinny best {best[1]:6.0f} GB/s ({best[0]}), tile_config's {chosen:6.0f}", flush=True)
             results["points"].append(point)
         del weights
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        plot(results, Path(args.out).with_suffix(".png"))
     return 0
+
+
+def plot(results: dict, path: Path) -> None:
+    """GB/s per projection and row count: cuBLAS, the kernel at :func:`tile_config`'s tile, the best tile."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = results["points"]
+    labels = [f"{p['proj']}\n{p['rows']} row{'s' if p['rows'] > 1 else ''}" for p in points]
+    series = {"cuBLAS (F.linear)": [p["cublas_gbps"] for p in points],
+              "skinny, tile_config": [p["configs"].get(",".join(map(str, tile_config(p["n"], p["k"]))), 0.0)
+                                      for p in points],
+              "skinny, best tile": [p["configs"][p["best"]] for p in points]}
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(points)), 4.2))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - 1) * width for x in range(len(points))], values, width, label=name)
+    ax.set_xticks(range(len(points)), labels, fontsize=7)
+    ax.set_ylabel("weight read, GB/s")
+    ax.set_title(f"{results['device']}: {results['shape']} projections, bf16, one CUDA graph, cold L2")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
