@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tllm_spec import MTPConfig, SamplingParams
-from tllm_spec.cuda_graphs import generation_step
+from tllm_spec.cuda_graphs import compiled_generation_step, generation_step, step_compile_settings
 from tllm_spec.spec_model import SpecModel
 
 from .models import eagle3, tiny_pair
@@ -59,7 +59,7 @@ def test_one_compiled_step_serves_every_batch_size():
     compiled, so that batch 2 is not tied to the model's two KV heads.)"""
     model = _model("eagle3", rejection=False)
     k = model.max_draft_len
-    compiled = torch.compile(generation_step, dynamic=True, backend="eager")
+    compiled = compiled_generation_step(backend="eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
     for size in (2, 3, 5):
@@ -68,21 +68,30 @@ def test_one_compiled_step_serves_every_batch_size():
         positions = torch.arange(k + 1).repeat(size) + 6
         slots = torch.arange(size).repeat_interleave(k + 1)
         drafts = (torch.arange(size * k) % 7).view(size, k)
-        with torch.inference_mode(), torch.fx.experimental._config.patch(use_duck_shape=False):
+        with torch.inference_mode(), step_compile_settings():
             out = compiled(model, ids, positions, slots, drafts)
             assert torch.equal(out, generation_step(model, ids, positions, slots, drafts))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def test_uniform_draws_the_eager_numbers_when_compiled():
-    """Compiled, the counter-based draw is one opaque op (its 32-bit hash constants must not reach Inductor's
-    int32 index arithmetic) and gives the eager numbers, for the batch stream and per-row streams."""
+    """Compiled, the counter-based draw is one opaque op in the graph (its 32-bit hash constants must not reach
+    Inductor's int32 index arithmetic) and gives the eager numbers, for the batch stream and per-row streams."""
     from tllm_spec import rng
+
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
     def draw(seed, offset, rows):
         return rng.uniform(seed, offset, (rows, 37), salt=3) * 2
 
-    compiled = torch.compile(draw, fullgraph=True, dynamic=True)
+    compiled = torch.compile(draw, fullgraph=True, dynamic=True, backend=recording_backend)
     for seed, offset in ((torch.tensor([5]), torch.tensor([9])), (torch.arange(4) + 2**40, torch.arange(4))):
         rows = 4 if seed.numel() > 1 else 3
         assert torch.equal(compiled(seed, offset, rows), draw(seed, offset, rows))
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert torch.ops.tllm_spec.uniform.default in targets or torch.ops.tllm_spec.uniform in targets, targets
+    assert torch.bitwise_xor not in targets and torch.ops.aten.bitwise_xor not in targets

@@ -13,7 +13,7 @@ replayed inside each CUDA graph.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,19 +62,22 @@ def generation_step(model: SpecModel, ids: torch.Tensor, positions: torch.Tensor
     return model.packed_forward(ids, attn, drafts)
 
 
-def compiled_generation_step():
+def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """:func:`generation_step` under torch.compile with dynamic shapes; call it inside
     :func:`step_compile_settings`."""
-    return torch.compile(generation_step, dynamic=True, options=COMPILE_OPTIONS)
+    options = COMPILE_OPTIONS if backend == "inductor" else None
+    return torch.compile(generation_step, dynamic=True, backend=backend, options=options)
 
 
 def step_compile_settings() -> contextlib.ExitStack:
     """Dynamo settings the compiled step needs: no duck sizing (a batch of 2 must not be tied to a model's 2 KV
     heads, which would specialise it) and room for one compilation per (sampling variant, draft lengths, batch
-    1 or more) the buckets capture."""
+    1 or more) the buckets capture (limits this torch version does not know are left alone)."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
-    stack.enter_context(torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024))
+    limits = {name: value for name, value in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024))
+              if hasattr(torch._dynamo.config, name)}
+    stack.enter_context(torch._dynamo.config.patch(**limits))
     return stack
 
 
@@ -85,6 +88,7 @@ class CUDAGraphRunner:
     def __init__(self, model: SpecModel, compile_step: bool):
         self.model = model
         self.step = compiled_generation_step() if compile_step else generation_step
+        self.compile_settings = step_compile_settings if compile_step else contextlib.nullcontext
         self.k = model.max_draft_len
         self.buckets = batch_buckets(model.max_batch_size)
         max_tokens = self.buckets[-1] * (self.k + 1)
@@ -153,7 +157,7 @@ class CUDAGraphRunner:
     def _forward(self, size: int, draft_len: int) -> torch.Tensor:
         tokens = size * (draft_len + 1)
         drafts = self.inputs[3, :size * draft_len].view(size, draft_len)
-        with step_compile_settings():
+        with self.compile_settings():
             return self.step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
                              drafts)
 

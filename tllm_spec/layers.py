@@ -3,8 +3,9 @@
 They are built from already loaded modules (a stock HF decoder layer, an EAGLE-3 midlayer) by
 :func:`fuse_linears`, which concatenates the weights once and re-points the source ``nn.Linear`` weights at
 views of the fused tensor: no second copy of any weight, and the stock modules keep working (the training
-code and the HF fallback still use them). The maths is the stock modules' to the last rounding step, so
-greedy outputs stay token-identical to HF ``generate``.
+code and the HF fallback still use them). The maths is the stock modules' to the last rounding step in fp32,
+so greedy outputs stay token-identical to HF ``generate`` (bf16/fp16 decoding steps' projections run the
+skinny-GEMM kernel, whose sums round differently from cuBLAS's).
 """
 from __future__ import annotations
 
@@ -13,21 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, attend
-from .kernels.skinny_linear import skinny_linear
+from .kernels.skinny_linear import skinny_linear_op
 from .parallel import all_reduce
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
-
-
-@torch.library.custom_op("tllm_spec::skinny_linear", mutates_args=())
-def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return skinny_linear(x, weight, bias)
-
-
-@_skinny_linear_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -35,7 +26,7 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     or fp16) stream the weight through tllm_spec's kernel, anything else is cuBLAS (decided per call inside the
     op, so one compiled graph serves both); elsewhere the module itself."""
     if x.is_cuda:
-        return _skinny_linear_op(x, layer.weight, layer.bias)
+        return skinny_linear_op(x, layer.weight, layer.bias)
     return layer(x)
 
 

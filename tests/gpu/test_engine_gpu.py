@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec import MTPConfig, SamplingParams, flashinfer_ops
 from tllm_spec.cuda_graphs import generation_step
 from tllm_spec.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
@@ -114,6 +114,7 @@ def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
     and one dynamic compilation serves every bucket above 1 of a sampling variant."""
     if spec == "none" and rejection:
         pytest.skip("plain decoding has no acceptance")
+    assert flashinfer_ops.available(torch.device("cuda")), "the GPU suite needs flashinfer (.devkit)"
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -125,13 +126,13 @@ def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
         target, head = tiny_pair("llama")
         config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection}) if spec == "eagle3" else None
         model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
-    assert model.compiles_step_whole
+    assert model.compiles_step_whole and model.graph_runner.step is not generation_step
     for size in (1, 2, 3, 5, 8):
         model.generate(PROMPTS[:size] + PROMPTS[:max(0, size - len(PROMPTS))],
                        SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20), seed=size)
     assert not counters["graph_break"], dict(counters["graph_break"])
     variants = {key[1:] for key in model.graph_runner.graphs}
-    assert counters["stats"]["unique_graphs"] <= 2 * len(variants), dict(counters["stats"])  # batch 1 and the rest
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2 * len(variants), dict(counters["stats"])  # batch 1, the rest
     torch._dynamo.reset()
 
 

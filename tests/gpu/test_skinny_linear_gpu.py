@@ -3,8 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tllm_spec.kernels.skinny_linear import MAX_ROWS, skinny_linear, supports, tile_config
-from tllm_spec.layers import _skinny_linear_op
+from tllm_spec.kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_op, supports, tile_config
 
 pytestmark = pytest.mark.cuda
 
@@ -18,7 +17,7 @@ def test_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
     x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
     b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
-    assert supports(x, w)
+    assert supports(x, w, b)
     out = skinny_linear(x, w, b)
     ref = F.linear(x.float(), w.float(), b.float() if bias else None)
     assert out.dtype == dtype and out.shape == (rows, n)
@@ -34,11 +33,16 @@ def test_other_operands_take_cublas_exactly():
                       (torch.randn(128, 4, device="cuda").bfloat16().t(), w.bfloat16())):  # strided rows
         assert not supports(x, weight)
         assert torch.equal(skinny_linear(x, weight), F.linear(x, weight))
+    x, weight = torch.randn(4, 128, device="cuda").bfloat16(), w.bfloat16()
+    for bias in (torch.randn(512, device="cuda").bfloat16()[::2], torch.randn(256, device="cuda").half()):
+        assert not supports(x, weight, bias)  # strided, or another dtype: cuBLAS's answer (or its error)
+    strided = torch.randn(512, device="cuda").bfloat16()[::2]
+    assert torch.equal(skinny_linear(x, weight, strided), F.linear(x, weight, strided))
 
 
 def test_op_compiles_into_one_graph_with_dynamic_rows():
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-    fn = torch.compile(lambda x: _skinny_linear_op(x, w, None).relu(), fullgraph=True, dynamic=True)
+    fn = torch.compile(lambda x: skinny_linear_op(x, w, None).relu(), fullgraph=True, dynamic=True)
     for rows in (2, 5, 64):
         x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(fn(x), F.linear(x, w).relu(), atol=2e-2, rtol=2e-2)

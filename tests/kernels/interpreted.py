@@ -41,9 +41,11 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
 
 
 def _skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, int, int]) -> None:
-    """fp16 (the interpreter has no bf16 dot): masked rows, features and K tails, the bias epilogue."""
+    """fp16 (the interpreter has no bf16 dot): masked rows, features and K tails, the bias epilogue, x rows
+    with a stride (a slice of a wider tensor)."""
     g = torch.Generator().manual_seed(rows * 7 + n + k)
-    x, w = torch.randn(rows, k, generator=g).half(), (torch.randn(n, k, generator=g) * 0.1).half()
+    x = torch.randn(rows, k + 5, generator=g).half()[:, 3:k + 3]
+    w = (torch.randn(n, k, generator=g) * 0.1).half()
     b = torch.randn(n, generator=g).half() if bias else None
     out = skinny_module.skinny_linear(x, w, b, config=config)
     ref = skinny_module.skinny_linear_ref(x.float(), w.float(), b.float() if bias else None)
@@ -84,9 +86,11 @@ def main() -> None:
         _paged_case(query_len, num_runs, hq, hkv, window, fused)
         print(f"ok paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} window={window} "
               f"fused_write={fused}")
-    for rows, (n, k), bias in itertools.product([1, 4, 16], [(48, 100), (33, 256), (64, 300)], [False, True]):
-        _skinny_case(rows, n, k, bias, (16, 64, 4, 2))
-        print(f"ok skinny_linear rows={rows} n={n} k={k} bias={bias}")
+    skinny = itertools.product([1, 4, 16], [(48, 100), (33, 256), (64, 300)], [False, True],
+                               [(16, 64, 4, 2), (32, 128, 4, 3)])
+    for rows, (n, k), bias, config in skinny:
+        _skinny_case(rows, n, k, bias, config)
+        print(f"ok skinny_linear rows={rows} n={n} k={k} bias={bias} tile={config}")
     _engine_cases()
 
 

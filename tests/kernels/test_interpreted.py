@@ -16,4 +16,5 @@ def test_kernels_match_references_under_the_interpreter():
     result = subprocess.run([sys.executable, "-m", "tests.kernels.interpreted"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok paged_attention") == 96 and result.stdout.count("ok skinny_linear") == 18 and result.stdout.count("ok engine") == 2
+    assert result.stdout.count("ok paged_attention") == 96
+    assert result.stdout.count("ok skinny_linear") == 36 and result.stdout.count("ok engine") == 2
