@@ -106,3 +106,20 @@ def test_fractional_value_frequency():
 def test_fraction_near_k_still_capped():
     n = forced_num_accepted(2.9, 3, 1000, torch.tensor([1]), torch.tensor([0]))
     assert n.max() == 4 and n.min() == 3
+
+
+def test_a_new_value_reaches_the_allocated_device_count(monkeypatch):
+    """After allocate_state the step reads the forced count from a tensor, which every new value (set as
+    refresh_forced_acceptance does) updates in place; turning forcing off leaves the tensor unread."""
+    _set_env(monkeypatch, "1.5")
+    worker = _Worker(max_draft_len=3)
+    assert worker.forcing and worker.forced_value() == 1.5  # no state yet: the float
+    worker.allocate_state(num_slots=3, vocab_size=8, device=torch.device("cpu"))
+    value = worker.forced_value()
+    assert isinstance(value, torch.Tensor) and value.item() == 1.5
+    worker.forced_num_accepted = 3.0
+    assert worker.forced_value() is value and value.item() == 3.0
+    n = forced_num_accepted(value, 3, 5, torch.tensor([1]), torch.tensor([0]))
+    assert n.tolist() == [4] * 5
+    worker.forced_num_accepted = None
+    assert not worker.forcing and worker.forced_num_accepted is None

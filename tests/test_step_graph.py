@@ -95,3 +95,25 @@ def test_uniform_draws_the_eager_numbers_when_compiled():
     targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
     assert torch.ops.tllm_spec.uniform.default in targets or torch.ops.tllm_spec.uniform in targets, targets
     assert torch.bitwise_xor not in targets and torch.ops.aten.bitwise_xor not in targets
+
+
+def test_a_new_forced_count_needs_no_recompilation():
+    """TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS reaches the compiled step as a device value: forcing 1.5 then
+    3 drafts is one compilation, and the second call accepts every draft."""
+    model = _model("eagle3", rejection=False)
+    k, size = model.max_draft_len, 3
+    compiled = compiled_generation_step(backend="eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    lens = {}
+    for forced in (1.5, 3.0):
+        model.worker.forced_num_accepted = forced
+        model.spec_metadata.prepare([SamplingParams()] * size, (), k, k)
+        ids = torch.arange(size * (k + 1)) % 90
+        positions = torch.arange(k + 1).repeat(size) + 6
+        slots = torch.arange(size).repeat_interleave(k + 1)
+        drafts = (torch.arange(size * k) % 7).view(size, k)
+        with torch.inference_mode(), step_compile_settings():
+            lens[forced] = compiled(model, ids, positions, slots, drafts)[:, k + 1]  # new_tokens_lens
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert set(lens[1.5].tolist()) <= {2, 3} and lens[3.0].tolist() == [k + 1] * size

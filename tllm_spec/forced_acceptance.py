@@ -46,15 +46,17 @@ def read_forced_num_accepted(environ: dict[str, str] | None = None) -> float | N
     return value or None
 
 
-def forced_num_accepted(forced: float, max_draft_len: int, num_rows: int, seed: torch.Tensor,
+def forced_num_accepted(forced: float | torch.Tensor, max_draft_len: int, num_rows: int, seed: torch.Tensor,
                         offset: torch.Tensor) -> torch.Tensor:
     """Accepted tokens per generation request under forcing: 1 + min(K, floor(v) + [u < frac(v)]).
 
-    seed, offset: [1] int64 device tensors, the batch stream; the seed is advanced in place after the draw (an
-    all-greedy step samples nothing else, and the next step's lottery must not repeat this one's).
-    Returns [num_rows] int64 (bonus token included).
+    forced: v, a float or a 0-dim float64 tensor on seed's device (what a graphed step reads, so a new value
+    needs no recompilation). seed, offset: [1] int64 device tensors, the batch stream; the seed is advanced in
+    place after the draw (an all-greedy step samples nothing else, and the next step's lottery must not repeat
+    this one's). Returns [num_rows] int64 (bonus token included).
     """
-    whole, frac = math.floor(forced), forced - math.floor(forced)
-    extra = (rng.uniform(seed, offset, (num_rows,), salt=_SALT) < frac).to(torch.int64)
+    forced = torch.as_tensor(forced, dtype=torch.float64, device=seed.device)
+    whole = forced.floor()
+    extra = (rng.uniform(seed, offset, (num_rows,), salt=_SALT) < (forced - whole).float()).to(torch.int64)
     rng.advance(seed)
-    return (extra + whole).clamp_(max=max_draft_len) + 1
+    return (extra + whole.to(torch.int64)).clamp_(max=max_draft_len) + 1

@@ -138,10 +138,12 @@ class SpecModel(nn.Module):
         self._schedule = sorted((schedule or {1: self.max_draft_len}).items())
 
     def refresh_forced_acceptance(self) -> None:
-        """Re-read TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS (benchmark sweeps); captured graphs are dropped
-        because the forcing is baked into them."""
+        """Re-read TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS (benchmark sweeps). The steps read the forced
+        count from a device tensor, so captured graphs stay valid for a new count; they are dropped only when
+        forcing turns on or off, which changes the step's code."""
+        was_forcing = self.worker.forcing
         self.worker.forced_num_accepted = read_forced_num_accepted()
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and self.worker.forcing != was_forcing:
             self.graph_runner = self._new_graph_runner()
 
     def enable_guided_decoding(self) -> str | None:

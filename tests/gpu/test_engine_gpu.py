@@ -93,7 +93,7 @@ def test_compiled_step_is_lossless(fused):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compiled_graphed_bf16_equals_eager(arch):
+def test_compiled_graphed_bf16_equals_eager(arch, monkeypatch):
     """The default fast path (compiled, graphed) and the eager path over the same fused layers give the same
     greedy tokens in bf16 on a small model (fused vs split GEMMs differ in bf16 rounding: the fp32 tests
     against HF generate cover that equivalence)."""
@@ -103,8 +103,9 @@ def test_compiled_graphed_bf16_equals_eager(arch):
     params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
     for x, y in zip(fast.generate(PROMPTS, params), eager.generate(PROMPTS, params)):
         assert x.token_ids == y.token_ids
-    fast.refresh_forced_acceptance()  # drops the graphs, keeps the compiled step
-    assert fast.graph_runner.step is not generation_step
+    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", "2")
+    fast.refresh_forced_acceptance()  # forcing turns on: drops the graphs, keeps the compiled step
+    assert not fast.graph_runner.graphs and fast.graph_runner.step is not generation_step
 
 
 @pytest.mark.parametrize("spec", ["eagle3", "mtp", "none"])

@@ -89,8 +89,8 @@ class _MTPWorkerBase(SpecWorkerBase):
         thinking = self.relaxed.start_state(input_ids, spec_metadata.gather_ids[:num_ctx], slots)
         num_gen_accepted, gen_tokens = self.relaxed.accept(target_logits[num_ctx:], target_tokens[num_ctx:],
                                                            draft_tokens, thinking[num_ctx:])
-        if self.forced_num_accepted is not None:
-            num_gen_accepted = forced_num_accepted(self.forced_num_accepted, draft_tokens.shape[1],
+        if self.forcing:
+            num_gen_accepted = forced_num_accepted(self.forced_value(), draft_tokens.shape[1],
                                                    draft_tokens.shape[0], spec_metadata.seed, spec_metadata.offset)
         ctx_tokens = target_tokens.new_zeros(num_ctx, draft_tokens.shape[1] + 1)
         ctx_tokens[:, 0] = target_tokens[:num_ctx]
