@@ -35,6 +35,15 @@ def _model(worker: str, rejection: bool) -> SpecModel:
     return SpecModel.from_pretrained(tiny_pair("llama")[0], None, dtype=torch.float32, max_batch_size=BATCH)
 
 
+def _greedy_step_inputs(model: SpecModel, size: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Prepare a greedy generation step of ``size`` requests; its (ids, positions, slots, drafts)."""
+    model.spec_metadata.prepare([SamplingParams()] * size, (), k, k)
+    ids = torch.arange(size * (k + 1)) % 90
+    positions = torch.arange(k + 1).repeat(size) + 6
+    slots = torch.arange(size).repeat_interleave(k + 1)
+    return ids, positions, slots, (torch.arange(size * k) % 7).view(size, k)
+
+
 @pytest.mark.parametrize("worker,temperature", [("eagle3", 0.0), ("eagle3", 0.8), ("mtp", 0.8), ("mtp_vanilla", 0.0),
                                                 ("plain", 0.0)])
 def test_generation_step_is_one_graph(worker, temperature):
@@ -63,14 +72,9 @@ def test_one_compiled_step_serves_every_batch_size():
     counters = torch._dynamo.utils.counters
     counters.clear()
     for size in (2, 3, 5):
-        model.spec_metadata.prepare([SamplingParams()] * size, (), k, k)
-        ids = torch.arange(size * (k + 1)) % 90
-        positions = torch.arange(k + 1).repeat(size) + 6
-        slots = torch.arange(size).repeat_interleave(k + 1)
-        drafts = (torch.arange(size * k) % 7).view(size, k)
+        inputs = _greedy_step_inputs(model, size, k)
         with torch.inference_mode(), step_compile_settings():
-            out = compiled(model, ids, positions, slots, drafts)
-            assert torch.equal(out, generation_step(model, ids, positions, slots, drafts))
+            assert torch.equal(compiled(model, *inputs), generation_step(model, *inputs))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
@@ -108,12 +112,8 @@ def test_a_new_forced_count_needs_no_recompilation():
     lens = {}
     for forced in (1.5, 3.0):
         model.worker.forced_num_accepted = forced
-        model.spec_metadata.prepare([SamplingParams()] * size, (), k, k)
-        ids = torch.arange(size * (k + 1)) % 90
-        positions = torch.arange(k + 1).repeat(size) + 6
-        slots = torch.arange(size).repeat_interleave(k + 1)
-        drafts = (torch.arange(size * k) % 7).view(size, k)
+        inputs = _greedy_step_inputs(model, size, k)
         with torch.inference_mode(), step_compile_settings():
-            lens[forced] = compiled(model, ids, positions, slots, drafts)[:, k + 1]  # new_tokens_lens
+            lens[forced] = compiled(model, *inputs)[:, k + 1]  # new_tokens_lens
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert set(lens[1.5].tolist()) <= {2, 3} and lens[3.0].tolist() == [k + 1] * size
