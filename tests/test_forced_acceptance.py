@@ -109,16 +109,16 @@ def test_fraction_near_k_still_capped():
 
 
 def test_a_new_value_reaches_the_allocated_device_count(monkeypatch):
-    """After allocate_state the step reads the forced count from a tensor, which every new value (set as
-    refresh_forced_acceptance does) updates in place; turning forcing off leaves the tensor unread."""
+    """The step reads the forced count from a tensor (moved to the device with the state), which every new
+    value (set as refresh_forced_acceptance does) updates in place."""
     _set_env(monkeypatch, "1.5")
     worker = _Worker(max_draft_len=3)
-    assert worker.forcing and worker.forced_value() == 1.5  # no state yet: the float
+    assert worker.forcing and worker.forced_value.item() == 1.5
     worker.allocate_state(num_slots=3, vocab_size=8, device=torch.device("cpu"))
-    value = worker.forced_value()
-    assert isinstance(value, torch.Tensor) and value.item() == 1.5
+    value = worker.forced_value
+    assert value.item() == 1.5
     worker.forced_num_accepted = 3.0
-    assert worker.forced_value() is value and value.item() == 3.0
+    assert worker.forced_value is value and value.item() == 3.0
     n = forced_num_accepted(value, 3, 5, torch.tensor([1]), torch.tensor([0]))
     assert n.tolist() == [4] * 5
     worker.forced_num_accepted = None

@@ -34,7 +34,9 @@ class SpecWorkerBase(nn.Module, ABC):
         self.max_draft_len = max_draft_len
         self.use_flashinfer = use_flashinfer
         self.use_rejection_sampling = use_rejection_sampling
-        self._forced_value: torch.Tensor | None = None  # 0-dim f64 on the device: a compiled step reads the value
+        # The forced count as the step reads it: a 0-dim f64 tensor (moved to the device with the state), so a
+        # compiled step serves every value; ``forcing`` is the bool the step branches on.
+        self.forced_value = torch.zeros((), dtype=torch.float64)
         self.forced_num_accepted = read_forced_num_accepted()
         self.draft_probs: torch.Tensor | None = None  # [slots, K, V] f32: what each slot's drafts were drawn from
         self.guided_decoder: GuidedDecoder | None = None
@@ -47,20 +49,14 @@ class SpecWorkerBase(nn.Module, ABC):
     @forced_num_accepted.setter
     def forced_num_accepted(self, value: float | None) -> None:
         self._forced, self.forcing = value, value is not None
-        if self._forced_value is not None:
-            self._forced_value.fill_(value or 0.0)
-
-    def forced_value(self) -> torch.Tensor | float:
-        """The forced count as the step reads it: from a device tensor once state is allocated, so a compiled
-        step serves every forced value (only forcing on or off changes the graph)."""
-        return self._forced if self._forced_value is None else self._forced_value
+        self.forced_value.fill_(value or 0.0)
 
     def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         """Per-request device state kept across steps (indexed by KV slot): the draft distributions that
         rejection sampling verifies against at the next step; the forced count."""
         if self.use_rejection_sampling:
             self.draft_probs = torch.zeros(num_slots, self.max_draft_len, vocab_size, device=device)
-        self._forced_value = torch.tensor(self._forced or 0.0, dtype=torch.float64, device=device)
+        self.forced_value = self.forced_value.to(device)
 
     @abstractmethod
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -121,7 +117,7 @@ class SpecWorkerBase(nn.Module, ABC):
             gen_tokens, num_accepted_gen = self._rejection_sampling(
                 target_logits[num_contexts:], draft_tokens, gen_slots, gen_tokens, num_accepted_gen, spec_metadata)
         if self.forcing:
-            num_accepted_gen = forced_num_accepted(self.forced_value(), k, draft_tokens.shape[0],
+            num_accepted_gen = forced_num_accepted(self.forced_value, k, draft_tokens.shape[0],
                                                    spec_metadata.seed, spec_metadata.offset)
         ctx_tokens = torch.zeros(num_contexts, k + 1, dtype=torch.int64, device=target_tokens.device)
         ctx_tokens[:, 0] = target_tokens[:num_contexts]

@@ -90,7 +90,7 @@ class _MTPWorkerBase(SpecWorkerBase):
         num_gen_accepted, gen_tokens = self.relaxed.accept(target_logits[num_ctx:], target_tokens[num_ctx:],
                                                            draft_tokens, thinking[num_ctx:])
         if self.forcing:
-            num_gen_accepted = forced_num_accepted(self.forced_value(), draft_tokens.shape[1],
+            num_gen_accepted = forced_num_accepted(self.forced_value, draft_tokens.shape[1],
                                                    draft_tokens.shape[0], spec_metadata.seed, spec_metadata.offset)
         ctx_tokens = target_tokens.new_zeros(num_ctx, draft_tokens.shape[1] + 1)
         ctx_tokens[:, 0] = target_tokens[:num_ctx]
