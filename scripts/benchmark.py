@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tllm_spec.benchmark import (format_profile, hf_generate_tokens_per_second, measure_bandwidth, profile_step,
-                                 run_point, sweep_draft_len, to_rows)
+from tllm_spec.benchmark import (force_acceptance, format_profile, hf_generate_tokens_per_second, measure_bandwidth,
+                                 profile_step, run_point, sweep_draft_len, to_rows)
 from tllm_spec.parallel import local_process_device
 from tllm_spec.random_models import SHAPES, random_spec_model
 from tllm_spec.spec_model import SpecModel
@@ -84,11 +84,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine, **options)
         plain = SpecModel.from_target(spec.target, None, **engine, **options)
+        todo = forced if name == "default" else [float(k)]
+        force_acceptance(spec, todo[0])  # captured as the first points run: forcing on or off recompiles
         for model in (plain, spec):
             if model.graph_runner is not None:
                 model.graph_runner.capture_all()
         tqdm.write(f"{name}: built, compiled and captured in {time.perf_counter() - start:.1f} s")
-        todo = forced if name == "default" else [float(k)]
         jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in todo]
         for batch, f, model in tqdm(jobs, desc=f"benchmark ({name})", disable=not first):
             point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])

@@ -80,14 +80,19 @@ def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int 
     return total
 
 
-def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, forced: float | None,
-              bandwidth: float, seed: int = 0) -> Point:
-    """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone)."""
+def force_acceptance(model: SpecModel, forced: float | None) -> None:
+    """Set TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS to ``forced`` (None: unset) and make ``model`` read it."""
     if forced is None:
         os.environ.pop(ENV_VAR, None)
     else:
         os.environ[ENV_VAR] = str(forced)
     model.refresh_forced_acceptance()
+
+
+def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, forced: float | None,
+              bandwidth: float, seed: int = 0) -> Point:
+    """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone)."""
+    force_acceptance(model, forced)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.target.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -175,7 +180,7 @@ def to_rows(points: list[Point]) -> list[dict]:
     return [asdict(p) for p in points]
 
 
-_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet")),
+_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet", "skinny_linear")),
                   ("paged attention + KV write (triton)", ("_paged_attention_kernel", "_kv_write_kernel")),
                   ("sampling (flashinfer)", ("sampling", "TopK", "flashinfer")),
                   ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
@@ -187,11 +192,7 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    if forced is None:
-        os.environ.pop(ENV_VAR, None)
-    else:
-        os.environ[ENV_VAR] = str(forced)
-    model.refresh_forced_acceptance()
+    force_acceptance(model, forced)
     if model.graph_runner is None:
         raise ValueError("profile_step profiles the CUDA-graph step: build the model without enforce_eager")
     prompts = [list(range(1, prompt_len + 1))] * batch
@@ -222,7 +223,7 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
             "kernel_us_per_step": {g: round(v, 1) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
             "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / steps,
             "top_kernels": [{"us_per_step": round(us, 1), "calls_per_step": n, "name": name}
-                            for us, n, name in sorted(top, reverse=True)[:16]],
+                            for us, n, name in sorted(top, reverse=True)[:24]],
             "graph_step_ms": step_ms}
 
 
