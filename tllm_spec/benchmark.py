@@ -180,7 +180,8 @@ def to_rows(points: list[Point]) -> list[dict]:
     return [asdict(p) for p in points]
 
 
-_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet", "skinny_linear")),
+_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet",
+                            "_skinny_linear_kernel")),
                   ("paged attention + KV write (triton)", ("_paged_attention_kernel", "_kv_write_kernel")),
                   ("sampling (flashinfer)", ("sampling", "TopK", "flashinfer")),
                   ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
