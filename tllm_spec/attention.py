@@ -68,10 +68,12 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     num_ctx = meta.num_context_tokens
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # the kernel takes dense heads (its tokens may have a stride: a slice of qkv)
     if num_ctx == 0 or not q.is_cuda:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
-        return op(q.contiguous(), k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
+        return op(q, k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
                   meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
     kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
@@ -88,7 +90,8 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, block_tables: torch.Tensor, token_slots: torch.Tensor,
                      write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
                      sliding_window: int, query_len: int) -> torch.Tensor:
-    """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
+    """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D] (dense heads; its tokens may have
+    a stride); k, v [N, Hkv, D] -> [N, Hq, D] contiguous."""
     if write_slots is token_slots:  # the attention kernel writes the run's own K/V
         return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                                sliding_window or None, query_len, new_kv=(k, v))
@@ -104,7 +107,7 @@ _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", wr
 @_write_and_attend_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
       sliding_window, query_len):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,

@@ -122,14 +122,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
                 ) -> torch.Tensor:
         """x [N, H_in] -> [N, H]."""
-        q, k, v = linear(x, self.qkv_proj).split(self.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = attend(self.kv_layer, q, k, v.view(-1, self.num_kv_heads, self.head_dim), attn, self.scale,
-                     self.sliding_window)
+        qkv = linear(x, self.qkv_proj)
+        q_size, kv_size = self.sizes[0], self.sizes[1]
+        if self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
+            qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        out = attend(self.kv_layer, q, k, v, attn, self.scale, self.sliding_window)
         out = linear(out.flatten(1), self.o_proj)
         return out if self.tp_group is None else all_reduce(out, self.tp_group)
 

@@ -24,7 +24,7 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
     starts = torch.randint(0, max_pages * page - query_len, (num_runs,), generator=g)
     positions = (starts[:, None] + torch.arange(query_len)).flatten()
     slots = torch.arange(num_runs).repeat_interleave(query_len)
-    q = torch.randn(num_runs * query_len, hq, d, generator=g)
+    q = torch.randn(num_runs * query_len, hq + hkv, d, generator=g)[:, :hq]  # a slice of q|k: tokens strided
     new_kv = (torch.randn(len(q), hkv, d, generator=g), torch.randn(len(q), hkv, d, generator=g))
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     args = (block_tables, slots, positions, d ** -0.5, max_pages * page, window)

@@ -26,9 +26,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle).
 
-    q [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [S, P] int32;
-    token_slots [T] int64 (block-table row of each token); positions [T] int64; max_kv_len: a host bound on
-    positions + 1 (only limits work); sliding_window: keys older than this many positions are masked;
+    q [T, Hq, D] (dense heads; its tokens may have a stride); k_cache, v_cache [num_pages, page_size, Hkv, D];
+    block_tables [S, P] int32; token_slots [T] int64 (block-table row of each token); positions [T] int64;
+    max_kv_len: a host bound on positions + 1 (only limits work); sliding_window: keys older than this many
+    positions are masked;
     query_len: runs of this many consecutive tokens share a slot (their pages are gathered once);
     new_kv: this forward's (k, v) [T, Hkv, D], written into the cache first.
     Returns [T, Hq, D] in q's dtype, softmax in fp32.
@@ -49,7 +50,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         pages = block_tables[token_slots[rows][::run], :num_pages].long()  # [runs, num_pages]
         k = k_cache[pages].flatten(1, 2).float()  # [runs, num_keys, Hkv, D]
         v = v_cache[pages].flatten(1, 2).float()
-        qg = q[rows].float().view(-1, run, num_kv_heads, group, head_dim)
+        qg = q[rows].float().reshape(-1, run, num_kv_heads, group, head_dim)
         scores = torch.einsum("rthgd,rshd->rthgs", qg, k) * scale
         pos = positions[rows].view(-1, run, 1)
         visible = key_pos <= pos  # [runs, run, num_keys]
@@ -78,24 +79,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                    sliding_window, query_len, new_kv)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
-    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous q/k/v expected"
+    assert q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads must be dense (its tokens may have a stride)"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "contiguous caches expected"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and num_q_heads % num_kv_heads == 0
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and query_len >= 1
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     if num_tokens == 0:
         return out
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unused pointers without WRITE
     assert new_kv is None or (k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
                               and k_new.stride(2) == v_new.stride(2) == 1)
     _paged_attention_kernel[(triton.cdiv(num_tokens, query_len), num_kv_heads)](
-        q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, num_tokens,
+        q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, num_tokens, q.stride(0),
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), new_kv is not None,
         block_tables.stride(0), sliding_window or 0,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
         ROWS_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=64,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=128,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8)
     return out
 
 
@@ -103,11 +105,11 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
-                                scale, num_tokens, k_new_ptr, v_new_ptr, kn_stride_t, kn_stride_h, vn_stride_t,
-                                vn_stride_h, WRITE: tl.constexpr, bt_stride, window, PAGE_SIZE: tl.constexpr,
-                                NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, QUERY_LEN: tl.constexpr,
-                                ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                                BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr, kn_stride_t, kn_stride_h,
+                                vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride, window,
+                                PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                                QUERY_LEN: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One program per (run of QUERY_LEN query tokens of one request, KV head). With WRITE it first
         stores the run's new K/V rows of its KV head (nobody else reads them in this launch). Its rows are the
         QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP, head r % GROUP), each
@@ -126,8 +128,9 @@ if triton is not None:
         slot = tl.load(token_slots_ptr + first).to(tl.int64)
         dims = tl.arange(0, HEAD_DIM_PAD)
         dim_ok = dims < HEAD_DIM
-        q_rows = (token * NUM_KV_HEADS * GROUP + kv_head * GROUP + rows % GROUP) * HEAD_DIM
-        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        heads = (kv_head * GROUP + rows % GROUP) * HEAD_DIM
+        q = tl.load(q_ptr + (token.to(tl.int64) * q_stride_t + heads)[:, None] + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS_PAD], tl.float32)
         acc = tl.zeros([ROWS_PAD, HEAD_DIM_PAD], tl.float32)
@@ -158,7 +161,8 @@ if triton is not None:
             m_i = m_new
             start += BLOCK_N
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + q_rows[:, None] + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+        out_rows = token.to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM + heads
+        tl.store(out_ptr + out_rows[:, None] + dims[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dim_ok[None, :])
 
     @triton.jit
