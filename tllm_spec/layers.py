@@ -14,20 +14,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, attend
-from .kernels.skinny_linear import skinny_linear_op
+from .kernels.skinny_linear import MAX_ROWS, skinny_linear_op
 from .parallel import all_reduce
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``layer(x)`` for x [N, in]. On CUDA through the skinny-GEMM op: a decoding step's few rows (<= 16, bf16
-    or fp16) stream the weight through tllm_spec's kernel, anything else is cuBLAS (decided per call inside the
-    op, so one compiled graph serves both); elsewhere the module itself."""
+def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False) -> torch.Tensor:
+    """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
+    product ``silu(gate) * up`` [N, out / 2]. On CUDA through the skinny-GEMM op: a decoding step's few rows
+    (<= 16, bf16 or fp16) stream the weight through tllm_spec's kernel (the product is its epilogue), anything
+    else is cuBLAS and the stock ops (decided per call inside the op, so one compiled graph serves both);
+    elsewhere the module itself."""
     if x.is_cuda:
-        return skinny_linear_op(x, layer.weight, layer.bias)
-    return layer(x)
+        return skinny_linear_op(x, layer.weight, layer.bias, gated)
+    y = layer(x)
+    if not gated:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_in_gemm(x: torch.Tensor, attn: AttentionMetadata) -> bool:
+    """Whether an MLP computes its SwiGLU product in the gate/up GEMM's epilogue (``MLP.forward``'s ``gated``):
+    for a step of one request's ``tokens_per_request`` rows in bf16/fp16 on CUDA, which the kernel serves and
+    where the activation's own launch is what it saves. Larger steps keep the separate ops (Inductor fuses the
+    activation there; the op's eager fallback would not). The rule reads host values only, so a compiled step
+    for batch sizes above 1 takes one branch at every size (one compilation serves them all) and an eager step
+    takes the compiled one's branch."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= attn.tokens_per_request
+            and attn.tokens_per_request <= MAX_ROWS)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -151,9 +168,14 @@ class MLP(nn.Module):
     def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> MLP:
         return cls(fuse_linears([gate, up]), down)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
-        out = linear(F.silu(gate) * up, self.down_proj)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """x [N, H] -> [N, H]; ``gated``: the SwiGLU product is the gate/up GEMM's epilogue (:func:`linear`)."""
+        if gated:
+            act = linear(x, self.gate_up_proj, gated=True)
+        else:
+            gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        out = linear(act, self.down_proj)
         return out if self.tp_group is None else all_reduce(out, self.tp_group)
 
 
@@ -170,4 +192,4 @@ class DecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """hidden [N, H] -> [N, H]."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), swiglu_in_gemm(hidden, attn))

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tllm_spec.kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_op, supports, tile_config
+from tllm_spec.kernels.skinny_linear import (MAX_ROWS, skinny_linear, skinny_linear_op, skinny_linear_ref, supports,
+                                            tile_config)
 
 pytestmark = pytest.mark.cuda
 
@@ -46,3 +47,20 @@ def test_op_compiles_into_one_graph_with_dynamic_rows():
     for rows in (2, 5, 64):
         x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(fn(x), F.linear(x, w).relu(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (2 * 1000, 200)])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
+    """The SwiGLU epilogue at Llama-3.1-8B's gate/up shape and at a feature count that leaves a tail."""
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    assert supports(x, w, b, gated=True)
+    out = skinny_linear(x, w, b, gated=True)
+    ref = skinny_linear_ref(x.float(), w.float(), b.float() if bias else None, gated=True)
+    assert out.dtype == dtype and out.shape == (rows, n // 2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -53,6 +53,18 @@ def _skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, 
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
 
 
+def _gated_skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, int, int]) -> None:
+    """The SwiGLU epilogue (fp16): gate and up rows interleaved per program, a feature tail, the bias."""
+    g = torch.Generator().manual_seed(rows * 5 + n + k)
+    x = torch.randn(rows, k, generator=g).half()
+    w = (torch.randn(n, k, generator=g) * 0.1).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    out = skinny_module.skinny_linear(x, w, b, config=config, gated=True)
+    ref = skinny_module.skinny_linear_ref(x.float(), w.float(), b.float() if bias else None, gated=True)
+    assert out.dtype == torch.float16 and out.shape == (rows, n // 2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
 def _engine_cases() -> None:
     """Greedy decoding with every attention call on the interpreted kernels equals HF generate: the flat
     layout keeps the promise the kernels rely on (runs of K+1 tokens of one request; MTP windows write
@@ -91,6 +103,10 @@ def main() -> None:
     for rows, (n, k), bias, config in skinny:
         _skinny_case(rows, n, k, bias, config)
         print(f"ok skinny_linear rows={rows} n={n} k={k} bias={bias} tile={config}")
+    gated = itertools.product([1, 5, 16], [(96, 100), (50, 64)], [False, True], [(16, 64, 4, 2), (32, 128, 4, 3)])
+    for rows, (n, k), bias, config in gated:
+        _gated_skinny_case(rows, n, k, bias, config)
+        print(f"ok gated skinny_linear rows={rows} n={n} k={k} bias={bias} tile={config}")
     _engine_cases()
 
 

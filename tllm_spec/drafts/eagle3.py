@@ -6,7 +6,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..attention import AttentionMetadata, attend
-from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary, linear
+from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary, linear, swiglu_in_gemm
 from .eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
 
@@ -61,6 +61,8 @@ class Eagle3Midlayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
         h = residual + self.self_attn(x, rope, attn)
+        if isinstance(self.mlp, MLP):  # fused (inference)
+            return h + self.mlp(self.post_attention_layernorm(h), swiglu_in_gemm(h, attn))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -1,4 +1,5 @@
-"""``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 16): a weight-streaming GEMM.
+"""``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 16): a weight-streaming GEMM,
+optionally with the SwiGLU product of a fused gate/up projection as its epilogue.
 
 A decoding step's projections read megabytes of weight for a handful of token rows, so their speed is the
 weight read. One program owns ``BLOCK_N`` output features over the whole of K (no split-K, so no second
@@ -6,6 +7,11 @@ reduction kernel) and streams its weight tiles through Triton's software pipelin
 rows are padded to 16 inside the kernel for the tensor-core dot. bf16/fp16 only: fp32 keeps cuBLAS (and its
 exact rounding). :func:`skinny_linear_op` is the torch custom op the fused layers call: it takes the kernel
 where :func:`supports` says so and cuBLAS otherwise, per call, so one compiled graph serves both.
+
+``gated``: weight is gate | up stacked ([2I, K]) and the result ``silu(gate) * up`` [M, I]. Each program
+loads its gate rows and the matching up rows interleaved, so the product is its epilogue: no activation
+kernel, and the [M, 2I] projection never reaches memory. (Folding an RMSNorm in front instead was measured
+and dropped: elementwise work on the x tile inside the K loop costs the GEMM more than the norm's launch.)
 """
 from __future__ import annotations
 
@@ -34,60 +40,78 @@ def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Torch reference (the CPU path and the oracle). x [M, K]; weight [N, K]; bias [N] -> [M, N]."""
-    return F.linear(x, weight, bias)
+                      config: tuple[int, int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
+    """Torch reference (the CPU path and the oracle). x [M, K]; weight [N, K]; bias [N] -> [M, N]; ``gated``:
+    -> ``silu(y[:, :N/2]) * y[:, N/2:]`` [M, N/2], the stock SwiGLU's ops and roundings."""
+    y = F.linear(x, weight, bias)
+    if not gated:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> bool:
     """Whether :func:`skinny_linear` takes its kernel for these operands."""
     return (kernels.runs_kernel(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous() and x.stride(1) == 1
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+            and (not gated or weight.shape[0] % 2 == 0))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  config: tuple[int, int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
     """The Triton kernel where :func:`supports` says so, else the reference. Same signature as
     :func:`skinny_linear_ref`; ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages), default
-    :func:`tile_config`."""
-    if not supports(x, weight, bias):
-        return skinny_linear_ref(x, weight, bias)
+    :func:`tile_config` (BLOCK_N counts gate and up rows together)."""
+    if not supports(x, weight, bias, gated):
+        return skinny_linear_ref(x, weight, bias, gated=gated)
     rows, k = x.shape
     n = weight.shape[0]
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, ROWS=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages)
+    out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(out.shape[1], block_n // 2 if gated else block_n),)](
+        x, weight, bias if bias is not None else weight, out, rows, out.shape[1], k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, ROWS=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @torch.library.custom_op("tllm_spec::skinny_linear", mutates_args=())
-def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`skinny_linear` as a torch op (opaque to torch.compile). x [..., K] -> [..., N]."""
-    return skinny_linear(x, weight, bias)
+def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+                     ) -> torch.Tensor:
+    """:func:`skinny_linear` as a torch op (opaque to torch.compile). x [..., K] -> [..., N] (gated: N/2)."""
+    return skinny_linear(x, weight, bias, gated=gated)
 
 
 @skinny_linear_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x, weight, bias, gated=False):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0])
 
 
 if triton is not None:
 
     @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, HAS_BIAS: tl.constexpr,
-                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One program: output features [pid * BLOCK_N, +BLOCK_N) for all M (<= ROWS) rows, the whole of K."""
+                              GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        """One program: output features [pid * BLOCK_N, +BLOCK_N) for all M (<= ROWS) rows, the whole of K.
+        GATED: N is the output width I; the program's BLOCK_N weight rows are gate row f and up row I + f
+        interleaved for its BLOCK_N / 2 features f, and it stores silu(gate) * up (each rounded as eager
+        torch rounds them)."""
         pid = tl.program_id(0)
         offs_m = tl.arange(0, ROWS)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        mask_m, mask_n = offs_m < M, offs_n < N
+        if GATED:
+            cols = tl.arange(0, BLOCK_N)
+            feature = pid * (BLOCK_N // 2) + cols // 2
+            mask_n = feature < N
+            w_row = feature + (cols % 2) * N  # gate, up, gate, up, ...
+        else:
+            w_row = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = w_row < N
+        mask_m = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+        w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
@@ -97,6 +121,14 @@ if triton is not None:
             x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+            acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        dtype = y_ptr.dtype.element_ty
+        if GATED:
+            gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (ROWS, BLOCK_N // 2, 2)))
+            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        else:
+            y = acc.to(dtype)
+            offs_n = w_row
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y,
+                 mask=mask_m[:, None] & (offs_n < N)[None, :])
