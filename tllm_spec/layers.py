@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, attend
+from .kernels.rms_norm import rms_norm_op
 from .kernels.skinny_linear import MAX_ROWS, skinny_linear_op
 from .parallel import all_reduce
 
@@ -21,30 +22,37 @@ from .parallel import all_reduce
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
-    product ``silu(gate) * up`` [N, out / 2]. On CUDA through the skinny-GEMM op: a decoding step's few rows
-    (<= 16, bf16 or fp16) stream the weight through tllm_spec's kernel (the product is its epilogue), anything
-    else is cuBLAS and the stock ops (decided per call inside the op, so one compiled graph serves both);
-    elsewhere the module itself."""
+    product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape). On CUDA through the
+    skinny-GEMM op: a decoding step's few rows (<= 16, bf16 or fp16) stream the weight through tllm_spec's
+    kernel (product and add are its epilogue), anything else is cuBLAS and the stock ops (decided per call
+    inside the op, so one compiled graph serves both); elsewhere the module itself."""
     if x.is_cuda:
-        return skinny_linear_op(x, layer.weight, layer.bias, gated)
+        return skinny_linear_op(x, layer.weight, layer.bias, gated, residual)
     y = layer(x)
-    if not gated:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
 
 
-def swiglu_in_gemm(x: torch.Tensor, attn: AttentionMetadata) -> bool:
-    """Whether an MLP computes its SwiGLU product in the gate/up GEMM's epilogue (``MLP.forward``'s ``gated``):
-    for a step of one request's ``tokens_per_request`` rows in bf16/fp16 on CUDA, which the kernel serves and
-    where the activation's own launch is what it saves. Larger steps keep the separate ops (Inductor fuses the
-    activation there; the op's eager fallback would not). The rule reads host values only, so a compiled step
-    for batch sizes above 1 takes one branch at every size (one compilation serves them all) and an eager step
-    takes the compiled one's branch."""
+def one_request_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
+    """Whether a layer runs the kernels made for one request's step: its RMSNorms as :func:`rms_norm_op`, the
+    residual adds and the SwiGLU product as GEMM epilogues (:func:`linear`), which removes the launches that
+    dominate such a step apart from its weight reads. That is a step of one request's ``tokens_per_request``
+    rows in bf16/fp16 on CUDA; larger steps keep the stock ops, which Inductor fuses with each other (the ops'
+    eager fallbacks would not). The rule reads host values only, so a compiled step for batch sizes above 1
+    takes one branch at every size (one compilation serves them all) and an eager step takes the compiled
+    one's branch."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= attn.tokens_per_request
             and attn.tokens_per_request <= MAX_ROWS)
+
+
+def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """A stock RMSNorm module's result through :func:`rms_norm_op` (its kernel on CUDA)."""
+    return rms_norm_op(x, module.weight, module.variance_epsilon)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -136,9 +144,9 @@ class Attention(nn.Module):
         return cls(fuse_linears([q, k, v]), o, q.out_features // head_dim, k.out_features // head_dim, head_dim,
                    kv_layer, scale, **kwargs)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
-                ) -> torch.Tensor:
-        """x [N, H_in] -> [N, H]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H_in] -> [N, H] (plus ``residual``: on one GPU the o projection's epilogue adds it)."""
         qkv = linear(x, self.qkv_proj)
         q_size, kv_size = self.sizes[0], self.sizes[1]
         if self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
@@ -150,8 +158,10 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = attend(self.kv_layer, q, k, v, attn, self.scale, self.sliding_window)
-        out = linear(out.flatten(1), self.o_proj)
-        return out if self.tp_group is None else all_reduce(out, self.tp_group)
+        if self.tp_group is None:
+            return linear(out.flatten(1), self.o_proj, residual=residual)
+        out = all_reduce(linear(out.flatten(1), self.o_proj), self.tp_group)
+        return out if residual is None else residual + out
 
 
 class MLP(nn.Module):
@@ -168,15 +178,19 @@ class MLP(nn.Module):
     def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> MLP:
         return cls(fuse_linears([gate, up]), down)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """x [N, H] -> [N, H]; ``gated``: the SwiGLU product is the gate/up GEMM's epilogue (:func:`linear`)."""
+    def forward(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> [N, H] (plus ``residual``); ``gated``: the SwiGLU product is the gate/up GEMM's epilogue
+        and, on one GPU, the residual the down GEMM's (:func:`linear`)."""
         if gated:
             act = linear(x, self.gate_up_proj, gated=True)
         else:
             gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
+        if self.tp_group is None and gated:
+            return linear(act, self.down_proj, residual=residual)
         out = linear(act, self.down_proj)
-        return out if self.tp_group is None else all_reduce(out, self.tp_group)
+        out = out if self.tp_group is None else all_reduce(out, self.tp_group)
+        return out if residual is None else residual + out
 
 
 class DecoderLayer(nn.Module):
@@ -191,5 +205,8 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
                 ) -> torch.Tensor:
         """hidden [N, H] -> [N, H]."""
+        if one_request_kernels(hidden, attn):
+            hidden = self.self_attn(norm(hidden, self.input_layernorm), rope, attn, residual=hidden)
+            return self.mlp(norm(hidden, self.post_attention_layernorm), gated=True, residual=hidden)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), swiglu_in_gemm(hidden, attn))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -64,3 +64,20 @@ def test_gated_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
     ref = skinny_linear_ref(x.float(), w.float(), b.float() if bias else None, gated=True)
     assert out.dtype == dtype and out.shape == (rows, n // 2)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
+    """The o projection's and the down projection's residual add (Llama-3.1-8B shapes)."""
+    n, k = (28672, 4096) if gated else (4096, 4096)
+    g = torch.Generator(device="cuda").manual_seed(n + rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    res = torch.randn(rows, n // 2 if gated else n, device="cuda", generator=g).to(dtype)
+    assert supports(x, w, None, gated, res)
+    out = skinny_linear(x, w, gated=gated, residual=res)
+    ref = skinny_linear_ref(x.float(), w.float(), gated=gated, residual=res.float())
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+

@@ -9,6 +9,7 @@ import torch
 from tllm_spec import kernels
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import paged_attention as attention_module
+from tllm_spec.kernels import rms_norm as rms_norm_module
 from tllm_spec.kernels import skinny_linear as skinny_module
 
 kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for CPU tensors
@@ -53,16 +54,31 @@ def _skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, 
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
 
 
-def _gated_skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, int, int]) -> None:
-    """The SwiGLU epilogue (fp16): gate and up rows interleaved per program, a feature tail, the bias."""
+def _epilogue_skinny_case(rows: int, n: int, k: int, gated: bool, residual: bool,
+                          config: tuple[int, int, int, int]) -> None:
+    """The SwiGLU epilogue (gate and up rows interleaved per program, a feature tail) and the residual add,
+    fp16, with a bias."""
     g = torch.Generator().manual_seed(rows * 5 + n + k)
     x = torch.randn(rows, k, generator=g).half()
     w = (torch.randn(n, k, generator=g) * 0.1).half()
-    b = torch.randn(n, generator=g).half() if bias else None
-    out = skinny_module.skinny_linear(x, w, b, config=config, gated=True)
-    ref = skinny_module.skinny_linear_ref(x.float(), w.float(), b.float() if bias else None, gated=True)
-    assert out.dtype == torch.float16 and out.shape == (rows, n // 2)
+    b = torch.randn(n, generator=g).half()
+    out_features = n // 2 if gated else n
+    res = torch.randn(rows, out_features, generator=g).half() if residual else None
+    out = skinny_module.skinny_linear(x, w, b, config=config, gated=gated, residual=res)
+    ref = skinny_module.skinny_linear_ref(x.float(), w.float(), b.float(), gated=gated,
+                                          residual=None if res is None else res.float())
+    assert out.dtype == torch.float16 and out.shape == (rows, out_features)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
+def _rms_norm_case(rows: int, width: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, width + 3, generator=g).to(dtype)[:, 3:]  # strided rows
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype)
+    out = rms_norm_module.rms_norm(x, weight, 1e-6)
+    ref = rms_norm_module.rms_norm_ref(x.float(), weight.float(), 1e-6)
+    assert out.dtype == dtype and out.shape == (rows, width)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
 def _engine_cases() -> None:
@@ -103,10 +119,13 @@ def main() -> None:
     for rows, (n, k), bias, config in skinny:
         _skinny_case(rows, n, k, bias, config)
         print(f"ok skinny_linear rows={rows} n={n} k={k} bias={bias} tile={config}")
-    gated = itertools.product([1, 5, 16], [(96, 100), (50, 64)], [False, True], [(16, 64, 4, 2), (32, 128, 4, 3)])
-    for rows, (n, k), bias, config in gated:
-        _gated_skinny_case(rows, n, k, bias, config)
-        print(f"ok gated skinny_linear rows={rows} n={n} k={k} bias={bias} tile={config}")
+    epilogues = itertools.product([1, 5, 16], [(96, 100), (50, 64)], [False, True], [False, True])
+    for rows, (n, k), gated, residual in epilogues:
+        _epilogue_skinny_case(rows, n, k, gated, residual, (16, 64, 4, 2))
+        print(f"ok epilogue skinny_linear rows={rows} n={n} k={k} gated={gated} residual={residual}")
+    for rows, width, dtype in itertools.product([1, 4], [100, 4096], [torch.float16, torch.bfloat16]):
+        _rms_norm_case(rows, width, dtype)
+        print(f"ok rms_norm rows={rows} width={width} {dtype}")
     _engine_cases()
 
 

@@ -6,7 +6,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..attention import AttentionMetadata, attend
-from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary, linear, swiglu_in_gemm
+from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary, linear, norm, one_request_kernels
 from .eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
 
@@ -60,9 +60,10 @@ class Eagle3Midlayer(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
+        if isinstance(self.mlp, MLP) and one_request_kernels(x, attn):  # fused (inference), one request
+            h = self.self_attn(x, rope, attn, residual=residual)
+            return self.mlp(norm(h, self.post_attention_layernorm), gated=True, residual=h)
         h = residual + self.self_attn(x, rope, attn)
-        if isinstance(self.mlp, MLP):  # fused (inference)
-            return h + self.mlp(self.post_attention_layernorm(h), swiglu_in_gemm(h, attn))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

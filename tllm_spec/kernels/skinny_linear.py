@@ -1,5 +1,5 @@
 """``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 16): a weight-streaming GEMM,
-optionally with the SwiGLU product of a fused gate/up projection as its epilogue.
+optionally with the SwiGLU product of a fused gate/up projection, or a residual add, as its epilogue.
 
 A decoding step's projections read megabytes of weight for a handful of token rows, so their speed is the
 weight read. One program owns ``BLOCK_N`` output features over the whole of K (no split-K, so no second
@@ -10,8 +10,10 @@ where :func:`supports` says so and cuBLAS otherwise, per call, so one compiled g
 
 ``gated``: weight is gate | up stacked ([2I, K]) and the result ``silu(gate) * up`` [M, I]. Each program
 loads its gate rows and the matching up rows interleaved, so the product is its epilogue: no activation
-kernel, and the [M, 2I] projection never reaches memory. (Folding an RMSNorm in front instead was measured
-and dropped: elementwise work on the x tile inside the K loop costs the GEMM more than the norm's launch.)
+kernel, and the [M, 2I] projection never reaches memory. ``residual``: the rounded result plus a residual
+[M, N], rounded again (eager torch's ``residual + y``). (Folding an RMSNorm in front instead was measured and
+dropped: its sums of squares and the elementwise work on the x tile inside the K loop cost the GEMM more than
+the norm's own kernel.)
 """
 from __future__ import annotations
 
@@ -40,64 +42,72 @@ def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
-    """Torch reference (the CPU path and the oracle). x [M, K]; weight [N, K]; bias [N] -> [M, N]; ``gated``:
-    -> ``silu(y[:, :N/2]) * y[:, N/2:]`` [M, N/2], the stock SwiGLU's ops and roundings."""
+                      config: tuple[int, int, int, int] | None = None, gated: bool = False,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference (the CPU path and the oracle). x [M, K]; weight [N, K]; bias [N] -> y [M, N]; ``gated``:
+    -> ``silu(y[:, :N/2]) * y[:, N/2:]`` [M, N/2], the stock SwiGLU's ops and roundings; ``residual`` (the
+    result's shape): ``residual + result``."""
     y = F.linear(x, weight, bias)
-    if not gated:
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+             residual: torch.Tensor | None = None) -> bool:
     """Whether :func:`skinny_linear` takes its kernel for these operands."""
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     return (kernels.runs_kernel(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous() and x.stride(1) == 1
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-            and (not gated or weight.shape[0] % 2 == 0))
+            and (not gated or weight.shape[0] % 2 == 0)
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == (x.shape[0], out_features)
+                                      and residual.stride(1) == 1)))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
+                  config: tuple[int, int, int, int] | None = None, gated: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel where :func:`supports` says so, else the reference. Same signature as
     :func:`skinny_linear_ref`; ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages), default
     :func:`tile_config` (BLOCK_N counts gate and up rows together)."""
-    if not supports(x, weight, bias, gated):
-        return skinny_linear_ref(x, weight, bias, gated=gated)
+    if not supports(x, weight, bias, gated, residual):
+        return skinny_linear_ref(x, weight, bias, gated=gated, residual=residual)
     rows, k = x.shape
     n = weight.shape[0]
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     _skinny_linear_kernel[(triton.cdiv(out.shape[1], block_n // 2 if gated else block_n),)](
-        x, weight, bias if bias is not None else weight, out, rows, out.shape[1], k, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, ROWS=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+        x, weight, bias if bias is not None else weight, residual if residual is not None else out, out, rows,
+        out.shape[1], k, x.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, ROWS=MAX_ROWS,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @torch.library.custom_op("tllm_spec::skinny_linear", mutates_args=())
-def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
-                     ) -> torch.Tensor:
+def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`skinny_linear` as a torch op (opaque to torch.compile). x [..., K] -> [..., N] (gated: N/2)."""
-    return skinny_linear(x, weight, bias, gated=gated)
+    return skinny_linear(x, weight, bias, gated=gated, residual=residual)
 
 
 @skinny_linear_op.register_fake
-def _(x, weight, bias, gated=False):
+def _(x, weight, bias, gated=False, residual=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0])
 
 
 if triton is not None:
 
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, HAS_BIAS: tl.constexpr,
-                              GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+    def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_rm,
+                              HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One program: output features [pid * BLOCK_N, +BLOCK_N) for all M (<= ROWS) rows, the whole of K.
         GATED: N is the output width I; the program's BLOCK_N weight rows are gate row f and up row I + f
         interleaved for its BLOCK_N / 2 features f, and it stores silu(gate) * up (each rounded as eager
-        torch rounds them)."""
+        torch rounds them). HAS_RESIDUAL: plus r, rounded again."""
         pid = tl.program_id(0)
         offs_m = tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
@@ -130,5 +140,8 @@ if triton is not None:
         else:
             y = acc.to(dtype)
             offs_n = w_row
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y,
-                 mask=mask_m[:, None] & (offs_n < N)[None, :])
+        mask_y = mask_m[:, None] & (offs_n < N)[None, :]
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_y)
