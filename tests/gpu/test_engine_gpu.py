@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tllm_spec import MTPConfig, SamplingParams, flashinfer_ops
+from tllm_spec import MTPConfig, SamplingParams, flashinfer_ops, layers
 from tllm_spec.cuda_graphs import generation_step
 from tllm_spec.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
@@ -106,6 +106,30 @@ def test_compiled_graphed_bf16_equals_eager(arch, monkeypatch):
     monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", "2")
     fast.refresh_forced_acceptance()  # forcing turns on: drops the graphs, keeps the compiled step
     assert not fast.graph_runner.graphs and fast.graph_runner.step is not generation_step
+
+
+@pytest.mark.parametrize("spec", ["eagle3", "mtp"])
+def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypatch):
+    """A single request's steps take the one-request path (norm kernel, GEMM epilogues) in bf16: compiled and
+    graphed, it gives the eager path's tokens; a batch of two takes the other path in both."""
+    def build(eager):
+        if spec == "eagle3":
+            return _model("llama", 3, torch.bfloat16, eager=eager)[1]
+        return SpecModel.from_pretrained(mtp_target("llama", "deepseek"), MTPConfig(num_nextn_predict_layers=1,
+                                         max_draft_len=3), dtype=torch.bfloat16, device="cuda", max_batch_size=8,
+                                         enforce_eager=eager)
+    rule, taken = layers.one_request_kernels, set()
+
+    def recorded(x, attn):
+        taken.add(rule(x, attn))
+        return rule(x, attn)
+    monkeypatch.setattr(layers, "one_request_kernels", recorded)
+    fast, eager = build(False), build(True)
+    for prompts in ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2]):
+        params = SamplingParams(max_new_tokens=24)
+        for x, y in zip(fast.generate(prompts, params), eager.generate(prompts, params)):
+            assert x.token_ids == y.token_ids
+    assert taken == {True, False}
 
 
 @pytest.mark.parametrize("spec", ["eagle3", "mtp", "none"])

@@ -97,7 +97,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
         ROWS_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=128,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
 
