@@ -9,15 +9,20 @@ from tllm_spec.kernels.skinny_linear import (MAX_ROWS, skinny_linear, skinny_lin
 pytestmark = pytest.mark.cuda
 
 
+def _operands(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int):
+    """x [rows, k], w [n, k] (scaled to unit outputs) and an optional bias [n], seeded."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    return x, w, torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (32000, 4096), (1000, 200), (72, 1030)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
-    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
-    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
-    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    x, w, b = _operands(rows, n, k, dtype, bias, seed=n + k + rows)
     assert supports(x, w, b)
     out = skinny_linear(x, w, b)
     ref = F.linear(x.float(), w.float(), b.float() if bias else None)
@@ -55,10 +60,7 @@ def test_op_compiles_into_one_graph_with_dynamic_rows():
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
     """The SwiGLU epilogue at Llama-3.1-8B's gate/up shape and at a feature count that leaves a tail."""
-    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
-    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
-    b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+    x, w, b = _operands(rows, n, k, dtype, bias, seed=n + k + rows)
     assert supports(x, w, b, gated=True)
     out = skinny_linear(x, w, b, gated=True)
     ref = skinny_linear_ref(x.float(), w.float(), b.float() if bias else None, gated=True)
@@ -72,10 +74,9 @@ def test_gated_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
 def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
     """The o projection's and the down projection's residual add (Llama-3.1-8B shapes)."""
     n, k = (28672, 4096) if gated else (4096, 4096)
-    g = torch.Generator(device="cuda").manual_seed(n + rows)
-    x = torch.randn(rows, k, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
-    res = torch.randn(rows, n // 2 if gated else n, device="cuda", generator=g).to(dtype)
+    x, w, _ = _operands(rows, n, k, dtype, False, seed=n + rows)
+    res = torch.randn(rows, n // 2 if gated else n, device="cuda",
+                      generator=torch.Generator(device="cuda").manual_seed(rows)).to(dtype)
     assert supports(x, w, None, gated, res)
     out = skinny_linear(x, w, gated=gated, residual=res)
     ref = skinny_linear_ref(x.float(), w.float(), gated=gated, residual=res.float())
