@@ -85,7 +85,8 @@ def main() -> None:
             spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine, **options)
         plain = SpecModel.from_target(spec.target, None, **engine, **options)
         todo = forced if name == "default" else [float(k)]
-        force_acceptance(spec, todo[0])  # captured as the first points run: forcing on or off recompiles
+        force_acceptance(plain, None)  # each captured as its first points run: forcing on or off recompiles
+        force_acceptance(spec, todo[0])
         for model in (plain, spec):
             if model.graph_runner is not None:
                 model.graph_runner.capture_all()

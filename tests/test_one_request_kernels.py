@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from tllm_spec import MTPConfig, layers
+from tllm_spec import MTPConfig, SamplingParams, layers
 from tllm_spec.drafts import eagle3 as eagle3_module
 from tllm_spec.kernels.rms_norm import rms_norm_op
 from tllm_spec.kernels.skinny_linear import skinny_linear_op
@@ -42,6 +42,31 @@ def test_target_and_eagle3_layers_are_lossless(arch, forced_rule):
     assert 1 in forced_rule  # the draft passes of one request asked too
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_midlayer_drafts_the_same_on_both_paths(norm_before_residual, monkeypatch):
+    """Lossless decoding hides a draft head's mistakes, so the drafts are compared directly: with the rule
+    forced on, the head proposes exactly what it proposes on the stock path at every step, for both residual
+    conventions of the midlayer (sharp attention, so a wrong residual or norm changes the proposals)."""
+    target, head = tiny_pair("llama", head_scale=12.0)
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=3)
+    model.worker.draft_model.midlayer.norm_before_residual = norm_before_residual
+    original = model.worker.draft
+
+    def proposals() -> list:
+        seen = []
+
+        def recording(*args):
+            drafts = original(*args)
+            seen.append(drafts.tolist())
+            return drafts
+        model.worker.draft = recording
+        model.generate(PROMPTS[:3], [SamplingParams(max_new_tokens=n) for n in MAX_NEW[:3]])
+        return seen
+    stock = proposals()
+    monkeypatch.setattr(eagle3_module, "one_request_kernels", lambda x, attn: True)
+    assert proposals() == stock and len(stock) >= 5
+
+
 def test_mtp_layers_are_lossless(forced_rule):
     target = mtp_target("llama", "deepseek")
     model = SpecModel.from_pretrained(target, MTPConfig(num_nextn_predict_layers=1, max_draft_len=3),
@@ -54,8 +79,8 @@ def test_the_rule_takes_only_single_request_steps_in_half_precision_on_cuda():
     def tensor(rows, dtype=torch.bfloat16, cuda=True):  # the rule reads only these attributes
         return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(rows, 4096))
 
-    def meta(tokens_per_request):
-        return SimpleNamespace(tokens_per_request=tokens_per_request)
+    def meta(tokens_per_request, context_lens=()):
+        return SimpleNamespace(tokens_per_request=tokens_per_request, context_lens=context_lens)
     assert layers.one_request_kernels(tensor(4), meta(4))  # one request's verify rows
     assert layers.one_request_kernels(tensor(1, torch.float16), meta(1))  # one request's draft pass
     assert not layers.one_request_kernels(tensor(8), meta(4))  # two requests
@@ -63,6 +88,7 @@ def test_the_rule_takes_only_single_request_steps_in_half_precision_on_cuda():
     assert not layers.one_request_kernels(tensor(4, torch.float32), meta(4))  # fp32 keeps the stock ops
     assert not layers.one_request_kernels(tensor(4, cuda=False), meta(4))
     assert not layers.one_request_kernels(tensor(17), meta(17))  # more rows than the kernel takes
+    assert not layers.one_request_kernels(tensor(3), meta(4, context_lens=(3,)))  # a prompt
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -80,10 +106,11 @@ def test_norm_op_passes_opcheck():
 
 
 def test_linear_and_norm_are_the_stock_ops_on_cpu():
-    x, layer, residual = torch.randn(5, 16), nn.Linear(16, 24), torch.randn(5, 12)
-    gate, up = layer(x).split(12, dim=-1)
-    assert torch.equal(layers.linear(x, layer, gated=True, residual=residual),
-                       residual + torch.nn.functional.silu(gate) * up)
+    x, residual = torch.randn(5, 16), torch.randn(5, 12)
+    gate, up, down = nn.Linear(16, 12), nn.Linear(16, 12), nn.Linear(12, 16)
+    mlp = layers.MLP.from_linears(gate, up, down)  # the stock modules' weights become views of the fused one
+    torch.testing.assert_close(layers.linear(x, mlp.gate_up_proj, gated=True, residual=residual),
+                               residual + torch.nn.functional.silu(gate(x)) * up(x))  # one GEMM or two: sum order
     stock = LlamaRMSNorm(16, eps=1e-6)
     nn.init.normal_(stock.weight)
     for dtype in (torch.float32, torch.bfloat16):

@@ -80,7 +80,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     out[:num_ctx] = prefill_attention(q[:num_ctx], k[:num_ctx], v[:num_ctx], meta.context_lens, scale,
                                       sliding_window)
     if num_ctx < q.shape[0]:
-        out[num_ctx:] = paged_attention(q[num_ctx:].contiguous(), k_cache, v_cache, cache.block_tables,
+        out[num_ctx:] = paged_attention(q[num_ctx:], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
                                         meta.max_kv_len, sliding_window, meta.tokens_per_request)
     return out

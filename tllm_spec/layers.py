@@ -39,19 +39,23 @@ def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: tor
 
 
 def one_request_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
-    """Whether a layer runs the kernels made for one request's step: its RMSNorms as :func:`rms_norm_op`, the
-    residual adds and the SwiGLU product as GEMM epilogues (:func:`linear`), which removes the launches that
-    dominate such a step apart from its weight reads. That is a step of one request's ``tokens_per_request``
-    rows in bf16/fp16 on CUDA; larger steps keep the stock ops, which Inductor fuses with each other (the ops'
-    eager fallbacks would not). The rule reads host values only, so a compiled step for batch sizes above 1
-    takes one branch at every size (one compilation serves them all) and an eager step takes the compiled
-    one's branch."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= attn.tokens_per_request
-            and attn.tokens_per_request <= MAX_ROWS)
+    """Whether a layer runs the kernels made for one request's generation step: its RMSNorms as
+    :func:`rms_norm_op`, the residual adds and the SwiGLU product as GEMM epilogues (:func:`linear`), which
+    removes the launches that dominate such a step apart from its weight reads. That is a generation step
+    (no prompt in it) of at most ``tokens_per_request`` rows, i.e. one request, in bf16/fp16 on CUDA; larger
+    steps keep the stock ops, which Inductor fuses with each other (the ops' eager fallbacks would not). Under
+    torch.compile the row count is compared with a host value: batch 1 is a compilation of its own anyway, and
+    every larger batch takes the other branch, so one compilation still serves them all; an eager step takes
+    the compiled one's branch."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not attn.context_lens
+            and x.shape[0] <= attn.tokens_per_request and attn.tokens_per_request <= MAX_ROWS)
 
 
 def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """A stock RMSNorm module's result through :func:`rms_norm_op` (its kernel on CUDA)."""
+    """A stock RMSNorm module's result through :func:`rms_norm_op` (its kernel on CUDA); a norm whose weight is
+    kept in another dtype (its product promotes) is the module itself."""
+    if module.weight.dtype != x.dtype:
+        return module(x)
     return rms_norm_op(x, module.weight, module.variance_epsilon)
 
 
@@ -135,7 +139,7 @@ class Attention(nn.Module):
         self.qkv_proj, self.o_proj, self.q_norm, self.k_norm = qkv_proj, o_proj, q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.kv_layer, self.scale, self.sliding_window = kv_layer, scale, sliding_window
-        self.sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.tp_group: str | None = None
 
     @classmethod
@@ -148,7 +152,7 @@ class Attention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H_in] -> [N, H] (plus ``residual``: on one GPU the o projection's epilogue adds it)."""
         qkv = linear(x, self.qkv_proj)
-        q_size, kv_size = self.sizes[0], self.sizes[1]
+        q_size, kv_size = self.q_size, self.kv_size
         if self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
             qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)

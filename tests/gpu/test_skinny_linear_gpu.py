@@ -81,4 +81,3 @@ def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
     out = skinny_linear(x, w, gated=gated, residual=res)
     ref = skinny_linear_ref(x.float(), w.float(), gated=gated, residual=res.float())
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
-

@@ -32,7 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     width = x.shape[-1]
     if not (kernels.runs_kernel(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.is_contiguous() and width <= MAX_WIDTH):
-        return rms_norm_ref(x, weight, eps)
+        return rms_norm_ref(x, weight, eps).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(width)
     _rms_norm_kernel[(x.shape[0],)](x, weight, out, width, x.stride(0), eps, BLOCK=block,
@@ -42,13 +42,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @torch.library.custom_op("tllm_spec::rms_norm", mutates_args=())
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`rms_norm` as a torch op (opaque to torch.compile). x [M, H] -> [M, H]."""
+    """:func:`rms_norm` as a torch op (opaque to torch.compile). x [M, H] -> [M, H], contiguous."""
     return rms_norm(x, weight, eps)
 
 
 @rms_norm_op.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 if triton is not None:
@@ -60,7 +60,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < H
         x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, 0) / H + eps)
+        rstd = tl.math.rsqrt(tl.sum(x * x, 0) * (1.0 / H) + eps)  # the mean as torch's CUDA reduction takes it
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         dtype = y_ptr.dtype.element_ty
         tl.store(y_ptr + row * H + cols, (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype), mask=ok)

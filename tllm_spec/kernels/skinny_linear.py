@@ -95,7 +95,8 @@ def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 @skinny_linear_op.register_fake
 def _(x, weight, bias, gated=False, residual=None):
-    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0])
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0], dtype=dtype)
 
 
 if triton is not None:
