@@ -59,6 +59,16 @@ def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return rms_norm_op(x, module.weight, module.variance_epsilon)
 
 
+def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, residual: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """A block's last projection plus ``residual``: on one GPU the add is the GEMM's epilogue (:func:`linear`);
+    tensor parallel, the partial sums are all-reduced first and the residual added after."""
+    if tp_group is None:
+        return linear(x, layer, residual=residual)
+    out = all_reduce(linear(x, layer), tp_group)
+    return out if residual is None else residual + out
+
+
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` computing ``cat([l(x) for l in linears], -1)``; the sources' weights (and biases) become
     views of the fused ones. All sources share in_features, dtype, device and bias presence."""
@@ -150,7 +160,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H_in] -> [N, H] (plus ``residual``: on one GPU the o projection's epilogue adds it)."""
+        """x [N, H_in] -> [N, H] (plus ``residual``, :func:`output_projection`)."""
         qkv = linear(x, self.qkv_proj)
         q_size, kv_size = self.q_size, self.kv_size
         if self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
@@ -162,10 +172,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = attend(self.kv_layer, q, k, v, attn, self.scale, self.sliding_window)
-        if self.tp_group is None:
-            return linear(out.flatten(1), self.o_proj, residual=residual)
-        out = all_reduce(linear(out.flatten(1), self.o_proj), self.tp_group)
-        return out if residual is None else residual + out
+        return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual)
 
 
 class MLP(nn.Module):
@@ -183,18 +190,14 @@ class MLP(nn.Module):
         return cls(fuse_linears([gate, up]), down)
 
     def forward(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H] -> [N, H] (plus ``residual``); ``gated``: the SwiGLU product is the gate/up GEMM's epilogue
-        and, on one GPU, the residual the down GEMM's (:func:`linear`)."""
+        """x [N, H] -> [N, H] (plus ``residual``, :func:`output_projection`); ``gated``: the SwiGLU product is the
+        gate/up GEMM's epilogue (:func:`linear`)."""
         if gated:
             act = linear(x, self.gate_up_proj, gated=True)
         else:
             gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        if self.tp_group is None and gated:
-            return linear(act, self.down_proj, residual=residual)
-        out = linear(act, self.down_proj)
-        out = out if self.tp_group is None else all_reduce(out, self.tp_group)
-        return out if residual is None else residual + out
+        return output_projection(act, self.down_proj, self.tp_group, residual)
 
 
 class DecoderLayer(nn.Module):
