@@ -11,7 +11,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .attention import AttentionMetadata
-from .layers import MLP, Attention, DecoderLayer, RotaryTable
+from .layers import MLP, Attention, DecoderLayer
+from .rotary import RotaryTable
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x̂·w, eps in fp32
 _ATTENTION_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -15,27 +15,26 @@ from torch import nn
 
 from .attention import AttentionMetadata, attend
 from .kernels.rms_norm import rms_norm_op
-from .kernels.skinny_linear import MAX_ROWS, skinny_linear_op
+from .kernels.skinny_linear import MAX_ROWS, skinny_linear_op, skinny_linear_ref
 from .parallel import all_reduce
+from .rotary import apply_rotary
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None,
+           rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0) -> torch.Tensor:
     """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
-    product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape). On CUDA through the
-    skinny-GEMM op: a decoding step's few rows (<= 16, bf16 or fp16) stream the weight through tllm_spec's
-    kernel (product and add are its epilogue), anything else is cuBLAS and the stock ops (decided per call
-    inside the op, so one compiled graph serves both); elsewhere the module itself."""
-    if x.is_cuda:
-        return skinny_linear_op(x, layer.weight, layer.bias, gated, residual)
-    y = layer(x)
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y if residual is None else residual + y
+    product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape); ``rope`` (cos, sin)
+    [N, 1, D]: the first ``rotary_cols`` features rotated per head of D. On CUDA through the skinny-GEMM op: a
+    decoding step's few rows (<= 16, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
+    and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
+    so one compiled graph serves both); elsewhere the same stock ops (the op's reference)."""
+    cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
+    op = skinny_linear_op if x.is_cuda else skinny_linear_ref
+    return op(x, layer.weight, layer.bias, gated=gated, residual=residual, rope_cos=cos, rope_sin=sin,
+              rotary_cols=rotary_cols)
 
 
 def one_request_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
@@ -90,51 +89,6 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class RotaryTable(nn.Module):
-    """cos/sin of every position up to ``max_positions``, computed once the way the stock rotary module does
-    (fp32 angles, ``attention_scaling``, cast to the model dtype); a forward is a row gather."""
-
-    STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype):
-        super().__init__()
-        self.attention_scaling, self.dtype = attention_scaling, dtype
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.resize(max_positions)
-
-    @classmethod
-    def from_hf(cls, rotary: nn.Module, max_positions: int, dtype: torch.dtype) -> RotaryTable:
-        """From a stock HF rotary-embedding module (its ``inv_freq`` and ``attention_scaling``)."""
-        return cls(rotary.inv_freq, rotary.attention_scaling, max_positions, dtype)
-
-    def resize(self, max_positions: int) -> None:
-        positions = torch.arange(max_positions, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * self.attention_scaling).to(self.dtype)
-        self.sin = (emb.sin() * self.attention_scaling).to(self.dtype)
-
-    @property
-    def max_positions(self) -> int:
-        return self.cos.shape[0]
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] int64 -> (cos, sin) [N, 1, D] (broadcast over heads)."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D]; cos, sin [N, 1, D]."""
-    return x * cos + rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     """Self-attention with one fused qkv GEMM, optional per-head q/k RMSNorm (Qwen3), sliding window (Mistral,
     Qwen2), K/V written to KV layer ``kv_layer`` of the paged cache.
@@ -159,14 +113,20 @@ class Attention(nn.Module):
                    kv_layer, scale, **kwargs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H_in] -> [N, H] (plus ``residual``, :func:`output_projection`)."""
-        qkv = linear(x, self.qkv_proj)
+                residual: torch.Tensor | None = None, rotary_epilogue: bool = False) -> torch.Tensor:
+        """x [N, H_in] -> [N, H] (plus ``residual``, :func:`output_projection`); ``rotary_epilogue``: q and k are
+        rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between."""
         q_size, kv_size = self.q_size, self.kv_size
-        if self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
+        if rotary_epilogue and self.q_norm is None:
+            qkv = linear(x, self.qkv_proj, rope=rope, rotary_cols=q_size + kv_size)
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
+            qkv = linear(x, self.qkv_proj)
             qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
+            qkv = linear(x, self.qkv_proj)
             q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -213,7 +173,8 @@ class DecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """hidden [N, H] -> [N, H]."""
         if one_request_kernels(hidden, attn):
-            hidden = self.self_attn(norm(hidden, self.input_layernorm), rope, attn, residual=hidden)
+            hidden = self.self_attn(norm(hidden, self.input_layernorm), rope, attn, residual=hidden,
+                                    rotary_epilogue=True)
             return self.mlp(norm(hidden, self.post_attention_layernorm), gated=True, residual=hidden)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -3,8 +3,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tllm_spec.kernels import dependent_launch
+from tllm_spec.kernels.rms_norm import rms_norm
 from tllm_spec.kernels.skinny_linear import (MAX_ROWS, skinny_linear, skinny_linear_op, skinny_linear_ref, supports,
                                             tile_config)
+from tllm_spec.rotary import apply_rotary
 
 pytestmark = pytest.mark.cuda
 
@@ -81,3 +84,58 @@ def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
     out = skinny_linear(x, w, gated=gated, residual=res)
     ref = skinny_linear_ref(x.float(), w.float(), gated=gated, residual=res.float())
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,head_dim,bias", [((32, 8), 128, False), ((28, 4), 128, True), ((12, 4), 64, False)])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_rotary_epilogue_is_the_stock_rotation(dtype, heads, head_dim, bias, rows):
+    """RoPE in the q|k|v GEMM's epilogue (Llama-3.1-8B, a Qwen2-7B-like shape with biases, a 64-wide head):
+    the fp32 reference's result; and with small-integer operands, whose sums are exact in any order, exactly
+    the stock rotation, in the model dtype, of the kernel's own plain projection (v untouched)."""
+    num_heads, num_kv_heads = heads
+    n, rotary_cols = (num_heads + 2 * num_kv_heads) * head_dim, (num_heads + num_kv_heads) * head_dim
+    x, w, b = _operands(rows, n, 4096, dtype, bias, seed=n + rows)
+    angles = torch.rand(rows, 1, device="cuda") * 1000 * torch.rand(head_dim // 2, device="cuda")
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    assert supports(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
+    out = skinny_linear(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
+    ref = skinny_linear_ref(x.float(), w.float(), None if b is None else b.float(), rope_cos=cos.float(),
+                            rope_sin=sin.float(), rotary_cols=rotary_cols)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+    x, w = x.float().mul(2).round().to(dtype), (w.float() * 64).round().div(8).to(dtype)
+    out = skinny_linear(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
+    plain = skinny_linear(x, w, b)
+    heads_view = plain[:, :rotary_cols].view(rows, -1, head_dim)
+    expected = torch.cat([apply_rotary(heads_view, cos[:, None], sin[:, None]).flatten(1), plain[:, rotary_cols:]], 1)
+    assert torch.equal(out, expected)
+
+
+def test_dependent_launches_replay_in_a_cuda_graph():
+    """On Hopper the kernels launch as programmatic dependents: a chain of them (norm -> rotary qkv -> attention
+    inputs -> o with residual -> gated gate/up -> down with residual) captured in a CUDA graph replays to the
+    eager chain's results, every replay."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    assert dependent_launch.launches_dependent(torch.empty(1, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4, 4096, device="cuda", generator=g).bfloat16()
+    ws = [(torch.randn(*shape, device="cuda", generator=g) * shape[1] ** -0.5).bfloat16()
+          for shape in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
+    norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.rand(2, 4, 128, device="cuda", generator=g).bfloat16().unbind(0)
+
+    def chain(h):
+        qkv = skinny_linear(rms_norm(h, norm_w, 1e-5), ws[0], rope_cos=cos, rope_sin=sin, rotary_cols=5120)
+        h = skinny_linear(qkv[:, :4096].contiguous(), ws[1], residual=h)
+        return skinny_linear(skinny_linear(rms_norm(h, norm_w, 1e-5), ws[2], gated=True), ws[3], residual=h)
+    eager = chain(h)
+    chain(h)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(h)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, eager)

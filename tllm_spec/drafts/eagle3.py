@@ -6,7 +6,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..attention import AttentionMetadata, attend
-from ..layers import COMPILE_OPTIONS, MLP, Attention, RotaryTable, apply_rotary, linear, norm, one_request_kernels
+from ..layers import COMPILE_OPTIONS, MLP, Attention, linear, norm, one_request_kernels
+from ..rotary import RotaryTable, apply_rotary
 from .eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
 
@@ -61,7 +62,7 @@ class Eagle3Midlayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
         if isinstance(self.mlp, MLP) and one_request_kernels(x, attn):  # fused (inference), one request
-            h = self.self_attn(x, rope, attn, residual=residual)
+            h = self.self_attn(x, rope, attn, residual=residual, rotary_epilogue=True)
             return self.mlp(norm(h, self.post_attention_layernorm), gated=True, residual=h)
         h = residual + self.self_attn(x, rope, attn)
         return h + self.mlp(self.post_attention_layernorm(h))

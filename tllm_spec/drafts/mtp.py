@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..attention import AttentionMetadata
 from ..decoder import fused_layer
-from ..layers import DecoderLayer, RotaryTable
+from ..layers import DecoderLayer
+from ..rotary import RotaryTable
 from .mtp_checkpoint import HEAD_KEY, OWN_KEYS, MTPCheckpoint, save_mtp_weights
 
 _OWN_PREFIXES = tuple(k.split(".")[0] for k in OWN_KEYS)

@@ -13,3 +13,4 @@ def runs_kernel(t: torch.Tensor) -> bool:
     """Whether a launcher takes its Triton kernel for tensors like ``t`` (CUDA, triton installed); otherwise
     the torch reference. (Tests patch this to run the kernels under Triton's CPU interpreter.)"""
     return triton is not None and t.is_cuda
+

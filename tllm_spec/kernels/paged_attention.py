@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from . import dependent_launch
 from .kv_write import kv_write_ref
 
+PREFETCH_BLOCKS = 2  # key blocks whose cached K/V a dependent launch asks L2 for before its wait
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
 
 try:  # triton is a GPU extra: the package imports and runs without it
@@ -90,6 +92,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unused pointers without WRITE
     assert new_kv is None or (k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
                               and k_new.stride(2) == v_new.stride(2) == 1)
+    pdl = dependent_launch.launches_dependent(q)
     _paged_attention_kernel[(triton.cdiv(num_tokens, query_len), num_kv_heads)](
         q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, num_tokens, q.stride(0),
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), new_kv is not None,
@@ -97,11 +100,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
         ROWS_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=128,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=4,
+        **dependent_launch.launch_options(pdl))
     return out
 
 
 if triton is not None:
+    from .dependent_launch import prefetch_l2, wait_and_release
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
@@ -109,13 +115,23 @@ if triton is not None:
                                 vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride, window,
                                 PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                                 QUERY_LEN: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                PDL: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """One program per (run of QUERY_LEN query tokens of one request, KV head). With WRITE it first
         stores the run's new K/V rows of its KV head (nobody else reads them in this launch). Its rows are the
         QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP, head r % GROUP), each
-        with its own causal bound; online softmax over key blocks up to the run's last position."""
+        with its own causal bound; online softmax over key blocks up to the run's last position. PDL
+        (:mod:`.dependent_launch`): while the kernel before runs, the program asks L2 for the cached K/V of its
+        first PREFETCH_BLOCKS key blocks (addresses from the step's positions and block table, which that
+        kernel does not write; a prefetch only warms L2, so it cannot change a result)."""
         first = tl.program_id(0) * QUERY_LEN
         kv_head = tl.program_id(1)
+        if PDL:
+            if PREFETCH_BLOCKS > 0:
+                _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
+                             kv_head, bt_stride, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM, HEAD_DIM_PAD,
+                             BLOCK_N, PREFETCH_BLOCKS, KV_LINE)
+            wait_and_release()
         if WRITE:
             _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
                        num_tokens, kv_head, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, bt_stride,
@@ -164,6 +180,24 @@ if triton is not None:
         out_rows = token.to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM + heads
         tl.store(out_ptr + out_rows[:, None] + dims[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dim_ok[None, :])
+
+    @triton.jit
+    def _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens, kv_head,
+                     bt_stride, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
+        """Ask L2 for the K/V rows of head kv_head at the run's first PREFETCH_BLOCKS * BLOCK_N positions up to
+        its last token's."""
+        last = tl.load(positions_ptr + tl.minimum(first + QUERY_LEN - 1, num_tokens - 1))  # a run's positions rise
+        slot = tl.load(token_slots_ptr + first).to(tl.int64)
+        lines = tl.arange(0, (HEAD_DIM_PAD + KV_LINE - 1) // KV_LINE) * KV_LINE
+        for block in tl.static_range(PREFETCH_BLOCKS):
+            kpos = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = kpos <= last
+            page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=ok, other=0)
+            rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            prefetch_l2(k_ptr + rows[:, None] + lines[None, :], ok[:, None])
+            prefetch_l2(v_ptr + rows[:, None] + lines[None, :], ok[:, None])
 
     @triton.jit
     def _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,

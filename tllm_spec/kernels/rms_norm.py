@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from . import dependent_launch
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl
@@ -35,8 +36,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_ref(x, weight, eps).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(width)
-    _rms_norm_kernel[(x.shape[0],)](x, weight, out, width, x.stride(0), eps, BLOCK=block,
-                                    num_warps=min(16, max(1, block // 512)))
+    pdl = dependent_launch.launches_dependent(x)
+    _rms_norm_kernel[(x.shape[0],)](x, weight, out, width, x.stride(0), eps, BLOCK=block, PDL=pdl,
+                                    num_warps=min(16, max(1, block // 512)),
+                                    **dependent_launch.launch_options(pdl))
     return out
 
 
@@ -52,10 +55,14 @@ def _(x, weight, eps):
 
 
 if triton is not None:
+    from .dependent_launch import wait_and_release
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_xm, eps, BLOCK: tl.constexpr):
-        """One program per row: the mean square in fp32, x̂ rounded to the row's dtype, times the weight."""
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, stride_xm, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One program per row: the mean square in fp32, x̂ rounded to the row's dtype, times the weight. PDL:
+        see :mod:`.dependent_launch`."""
+        if PDL:
+            wait_and_release()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
