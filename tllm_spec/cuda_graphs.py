@@ -51,6 +51,22 @@ def pack_outputs(out: dict[str, torch.Tensor], max_draft_len: int) -> torch.Tens
                      dim=1)
 
 
+def advance_inputs(inputs: torch.Tensor, packed: torch.Tensor, num_requests: int, draft_len: int,
+                   max_draft_len: int) -> None:
+    """The next generation step's inputs from this one's packed outputs, in place on the device: what the engine
+    computes on the host after a step, for requests that all continue with ``draft_len`` drafts. inputs
+    [4, T] int64 (ids | positions | slots | drafts, flat layout, real requests first); packed [>= B, 2K+3].
+    Each request's next tokens are its ``next_new_tokens`` (the last accepted token, then the new drafts), its
+    positions move on by its accepted count, its slot stays; padding rows are left as they are."""
+    per_request = draft_len + 1
+    tokens = num_requests * per_request
+    accepted = packed[:num_requests, max_draft_len + 1]  # [B]
+    next_tokens = packed[:num_requests, max_draft_len + 2:max_draft_len + 2 + per_request]  # [B, k+1]
+    inputs[0, :tokens].copy_(next_tokens.flatten())
+    inputs[1, :tokens].view(num_requests, per_request).add_(accepted[:, None])
+    inputs[3, :num_requests * draft_len].copy_(next_tokens[:, 1:].flatten())
+
+
 def generation_step(model: SpecModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     drafts: torch.Tensor) -> torch.Tensor:
     """One generation-only step, as captured: ids, positions, slots [B*(k+1)] int64 in the flat layout; drafts
@@ -93,10 +109,11 @@ class CUDAGraphRunner:
         self.buckets = batch_buckets(model.max_batch_size)
         max_tokens = self.buckets[-1] * (self.k + 1)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
-        self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64).pin_memory()
+        self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=model.device.type == "cuda")
         # (bucket, draft_len, next_draft_len, all_greedy, has_request_seeds) -> (graph, packed outputs)
         self.graphs: dict[tuple[int, int, int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.last: tuple[tuple[int, int, int, bool, bool], int] | None = None  # graph key, requests of the last run
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -138,7 +155,23 @@ class CUDAGraphRunner:
         self._fill(ids, positions, slots, drafts, params, size, draft_len, next_draft_len)
         graph, packed = self.graphs[key]
         graph.replay()
+        self.last = (key, len(params))
         return packed[:len(params)]
+
+    def can_run_next(self) -> bool:
+        """Whether :meth:`run_next` may follow the last step: it verifies as many drafts as it proposed."""
+        return self.last is not None and self.last[0][1] == self.last[0][2]
+
+    def run_next(self) -> torch.Tensor:
+        """Replay the last step's graph on inputs advanced on the device from its own outputs
+        (:func:`advance_inputs`), before the host has seen them: the same requests, sampling rows and draft
+        lengths. Returns the packed outputs [B, 2K+3] of the real requests (the same buffer as the last step's:
+        copy those out first)."""
+        key, num_requests = self.last
+        graph, packed = self.graphs[key]
+        advance_inputs(self.inputs, packed, num_requests, key[1], self.k)
+        graph.replay()
+        return packed[:num_requests]
 
     def _fill(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
               params: list[SamplingParams], size: int, draft_len: int, next_draft_len: int,
@@ -161,10 +194,15 @@ class CUDAGraphRunner:
             return self.step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
                              drafts)
 
-    def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph | EagerReplay, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so
-        warm-up and capture draw no numbers the caller would see."""
+        warm-up and capture draw no numbers the caller would see. Off CUDA (tests of the runner's bookkeeping on
+        the CPU) a replay runs the step eagerly into a static output."""
         seed = self.model.spec_metadata.seed.clone()
+        if self.model.device.type != "cuda":
+            replay = EagerReplay(lambda: self._forward(size, draft_len))
+            self.model.spec_metadata.seed.copy_(seed)
+            return replay, replay.out
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -177,3 +215,15 @@ class CUDAGraphRunner:
         self.pool = graph.pool()
         self.model.spec_metadata.seed.copy_(seed)
         return graph, packed
+
+
+class EagerReplay:
+    """A stand-in for a captured graph off CUDA: ``replay`` runs ``step`` and writes its result into the same
+    output tensor (``out``) every time, as a graph replay does."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]):
+        self.step = step
+        self.out = step()
+
+    def replay(self) -> None:
+        self.out.copy_(self.step())

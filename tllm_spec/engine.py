@@ -37,6 +37,11 @@ class Engine:
         self.kv = model.kv_cache
         self.k = model.max_draft_len
         self.max_seq_len = model.max_seq_len
+        self._last_done = 0.0
+        self._buffer = 0
+        rows = (model.max_batch_size, 2 * self.k + 3)  # two pinned copies of the packed outputs: one per step in flight
+        self._host_buffers = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
+            if model.device.type == "cuda" else []
 
     def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], seed: int = 0,
                  progress: bool = False) -> GenerationOutputs:
@@ -58,7 +63,7 @@ class Engine:
                   disable=not progress, desc="generate") as bar:
             while waiting or running:
                 batch = self._admit(waiting, len(running)) + running
-                self._step(batch, bar)
+                self._run(batch, bar, may_admit=bool(waiting) and len(batch) < self.model.max_batch_size)
                 for r in batch:
                     if r.finish_reason:
                         self.kv.free(r.slot)
@@ -119,11 +124,35 @@ class Engine:
             raise RuntimeError("no request can be admitted: KV pool smaller than one request's reservation")
         return admitted
 
-    def _step(self, batch: list[Request], bar: tqdm) -> None:
-        """One forward for the batch (context requests first), then update every request on the host.
+    def _run(self, batch: list[Request], bar: tqdm, may_admit: bool) -> None:
+        """Steps for ``batch`` until one of its requests ends (or the batch must change). While a graphed batch
+        stays as it is, the next step is launched before the host reads this one's outputs (its inputs advanced
+        on the device, :meth:`CUDAGraphRunner.run_next`), so the host's work hides behind the GPU's; a request
+        that ended meanwhile has that one step's rows dropped."""
+        step = self._launch(batch)
+        while True:
+            ahead = self._launch_next(step) if self._can_run_ahead(batch, step, may_admit) else None
+            self._complete(batch, step, bar)
+            if ahead is None:
+                return
+            step = ahead
+            if any(r.finish_reason for r in batch):
+                self._complete(batch, step, bar)
+                return
 
-        Generation requests verify the drafts they hold (every running request holds as many: the previous
-        step proposed them for all) and the step proposes the schedule's number for this batch size."""
+    def _can_run_ahead(self, batch: list[Request], step: _Launched, may_admit: bool) -> bool:
+        """A generation-only graphed batch that keeps its draft length and has no grammar, with no waiting request
+        it could admit, and none of whose requests can reach its length limit within two steps (the extra step's
+        K/V writes stay inside each request's reserved pages)."""
+        runner = self.model.graph_runner
+        return (runner is not None and step.graphed and runner.can_run_next() and not may_admit
+                and self.model.worker.guided_decoder is None
+                and all(len(r.prompt) + len(r.output) + 2 * (self.k + 1) < r.max_total_tokens for r in batch))
+
+    def _launch(self, batch: list[Request]) -> _Launched:
+        """Build the step's flat inputs on the host (context requests first) and launch it. Generation requests
+        verify the drafts they hold (every running request holds as many: the previous step proposed them for
+        all) and the step proposes the schedule's number for this batch size."""
         start = time.perf_counter()
         contexts = [r for r in batch if r.is_context]
         generating = [r for r in batch if not r.is_context]
@@ -139,26 +168,56 @@ class Engine:
         if self.model.worker.guided_decoder is not None:  # grammar masks for this step, filled before it runs
             self.model.worker.guided_decoder.build([r.matcher for r in batch],
                                                    [[] if r.is_context else r.next_input[1:] for r in batch])
+        runner = self.model.graph_runner
+        graphed = runner is not None and not contexts and runner.bucket(len(batch)) is not None
         packed = self.model.step(ids, positions, slots, drafts, [r.params for r in batch],
                                  tuple(len(r.prompt) for r in contexts), draft_len, next_draft_len)
-        launched = time.perf_counter()
-        host = packed.cpu()  # the step's one device-to-host copy
+        return self._copy_out(packed, start, draft_len, next_draft_len, bool(contexts), graphed, chained=False)
+
+    def _launch_next(self, step: _Launched) -> _Launched:
+        start = time.perf_counter()
+        packed = self.model.graph_runner.run_next()
+        return self._copy_out(packed, start, step.draft_len, step.next_draft_len, False, True, chained=True)
+
+    def _copy_out(self, packed: torch.Tensor, start: float, draft_len: int, next_draft_len: int, has_context: bool,
+                  graphed: bool, chained: bool) -> _Launched:
+        """Queue the step's one device-to-host copy (into the pinned buffer not in use) behind its kernels."""
+        if not packed.is_cuda:  # a copy: a static output buffer is overwritten by the next replay
+            return _Launched(packed.clone(), None, draft_len, next_draft_len, has_context, graphed, chained, start,
+                             time.perf_counter() - start)
+        self._buffer ^= 1
+        host = self._host_buffers[self._buffer][:packed.shape[0]]
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(host, ready, draft_len, next_draft_len, has_context, graphed, chained, start,
+                         time.perf_counter() - start)
+
+    def _complete(self, batch: list[Request], step: _Launched, bar: tqdm) -> None:
+        """Wait for the step's outputs and update its requests on the host (a request that has already ended
+        skips its rows: they come from a step launched ahead)."""
+        if step.ready is not None:
+            step.ready.synchronize()
         waited = time.perf_counter()
-        for r, row in zip(batch, host.tolist()):
+        for r, row in zip(batch, step.host.tolist()):
+            if r.finish_reason:
+                continue
             n = row[self.k + 1]
             if r.is_context:
                 r.num_cached = len(r.prompt)
             else:
                 r.num_cached += n
-                if draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
-                    r.stats.record(n, draft_len)
-            r.next_input = row[self.k + 2:self.k + 3 + next_draft_len]
+                if step.draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
+                    r.stats.record(n, step.draft_len)
+            r.next_input = row[self.k + 2:self.k + 3 + step.next_draft_len]
             before = len(r.output)
             r.accept(row[:n])
             bar.update(len(r.output) - before)
-        if not contexts:
-            done = time.perf_counter()
-            self.decode.record(done - start, (launched - start) + (done - waited), len(batch))
+        done = time.perf_counter()
+        if not step.has_context:  # a chained step's time runs from the previous step's end: they overlap
+            began = self._last_done if step.chained else step.start
+            self.decode.record(done - began, step.host_seconds + (done - waited), len(batch))
+        self._last_done = done
 
     def _finish(self, outputs: list[RequestOutput | None], total: AcceptanceStats,
                 seconds: float) -> GenerationOutputs:
@@ -168,6 +227,22 @@ class Engine:
                         "tokens_per_second": round(num_tokens / seconds, 2) if seconds > 0 else 0.0,
                         **total.summary(), **self.decode.summary()}
         return result
+
+
+@dataclass
+class _Launched:
+    """A launched step: its packed outputs on the host [B, 2K+3] int64 (valid once ``ready`` has passed; None:
+    already there), how it was launched, and the host time spent launching it."""
+
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    draft_len: int
+    next_draft_len: int
+    has_context: bool
+    graphed: bool
+    chained: bool  # launched by run_next, before the step before it was read
+    start: float
+    host_seconds: float
 
 
 @dataclass

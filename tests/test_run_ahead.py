@@ -1,0 +1,66 @@
+"""Running a step ahead: while a graphed batch stays the same, the engine launches the next step on inputs the
+device advances from the step's own outputs, before the host reads them. Checked on the CPU through the graph
+runner's bookkeeping (static buffers, padding to buckets; a replay runs the step eagerly): the advanced inputs
+are exactly what the host would build, and decoding stays lossless while requests end at different steps, wait
+for a slot, and finish by stop token or length."""
+import torch
+
+from tllm_spec import SamplingParams
+from tllm_spec.cuda_graphs import CUDAGraphRunner, advance_inputs
+from tllm_spec.spec_model import SpecModel
+
+from .models import eagle3, hf_greedy, tiny_pair
+
+K = 3
+
+
+def test_advanced_inputs_are_what_the_host_builds():
+    g = torch.Generator().manual_seed(0)
+    num_requests, draft_len, bucket = 3, 2, 4
+    per_request = draft_len + 1
+    num_cached, slots = [7, 20, 3], [2, 0, 1]
+    inputs = torch.full((4, bucket * per_request + bucket * draft_len), -1, dtype=torch.int64)
+    tokens = num_requests * per_request
+    inputs[1, :tokens] = torch.tensor([c + i for c in num_cached for i in range(per_request)])
+    inputs[2, :tokens] = torch.tensor([s for s in slots for _ in range(per_request)])
+    padding = inputs[:, tokens:].clone()
+    packed = torch.randint(0, 100, (bucket, 2 * K + 3), generator=g)
+    packed[:, K + 1] = torch.tensor([1, 3, 2, 9])  # accepted counts (the padding row's is ignored)
+    advance_inputs(inputs, packed, num_requests, draft_len, K)
+    rows = packed[:num_requests].tolist()
+    next_inputs = [row[K + 2:K + 3 + draft_len] for row in rows]  # Engine._complete's arithmetic
+    assert inputs[0, :tokens].tolist() == [t for nxt in next_inputs for t in nxt]
+    assert inputs[1, :tokens].tolist() == [c + row[K + 1] + i for c, row in zip(num_cached, rows)
+                                           for i in range(per_request)]
+    assert inputs[2, :tokens].tolist() == [s for s in slots for _ in range(per_request)]
+    assert inputs[3, :num_requests * draft_len].tolist() == [t for nxt in next_inputs for t in nxt[1:]]
+    assert torch.equal(inputs[:3, tokens:], padding[:3])
+
+
+def test_run_ahead_decodes_losslessly(monkeypatch):
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=3)
+    model.graph_runner = CUDAGraphRunner(model, compile_step=False)  # the graphed path, replayed eagerly
+    launched = {"ahead": 0}
+    run_next = CUDAGraphRunner.run_next
+
+    def counting(self):
+        launched["ahead"] += 1
+        return run_next(self)
+    monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
+    prompts = [[5, 17, 3, 44, 9], [12, 8], [7] * 9, [1, 2, 3], [30, 31]]
+    max_new = [40, 45, 31, 12, 36]  # five requests for three slots: two wait, batches change as requests end
+    params = [SamplingParams(max_new_tokens=n) for n in max_new]
+    # the second request stops at its 10th token, mid-run, while a step for it is already launched
+    params[1] = params[1].model_copy(update={"stop_token_ids": [hf_greedy(target, prompts[1], 45)[9]]})
+    outputs = model.generate(prompts, params)
+    assert launched["ahead"] > 10
+    for prompt, n, p, out in zip(prompts, max_new, params, outputs):
+        expected = hf_greedy(target, prompt, n)
+        if p.stop_token_ids:
+            expected = expected[:expected.index(p.stop_token_ids[0]) + 1]
+        assert out.token_ids == expected, prompt
+    monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
+    in_step = model.generate(prompts, params)  # one step at a time: the same steps and acceptance
+    assert [o.stats for o in outputs] == [o.stats for o in in_step]
+    assert [o.finish_reason for o in outputs] == ["length", "stop", "length", "length", "length"]
