@@ -16,25 +16,25 @@ K = 3
 
 def test_advanced_inputs_are_what_the_host_builds():
     g = torch.Generator().manual_seed(0)
-    num_requests, draft_len, bucket = 3, 2, 4
+    num_requests, draft_len, bucket, padding_slot = 3, 2, 4, 5
     per_request = draft_len + 1
-    num_cached, slots = [7, 20, 3], [2, 0, 1]
-    inputs = torch.full((4, bucket * per_request + bucket * draft_len), -1, dtype=torch.int64)
+    num_cached, slots = [7, 20, 3, 0], [2, 0, 1, padding_slot]  # three requests, one padding row
+    inputs = torch.full((4, bucket * per_request), -1, dtype=torch.int64)
     tokens = num_requests * per_request
-    inputs[1, :tokens] = torch.tensor([c + i for c in num_cached for i in range(per_request)])
-    inputs[2, :tokens] = torch.tensor([s for s in slots for _ in range(per_request)])
+    inputs[1] = torch.tensor([c + i for c in num_cached for i in range(per_request)])
+    inputs[2] = torch.tensor([s for s in slots for _ in range(per_request)])
     padding = inputs[:, tokens:].clone()
     packed = torch.randint(0, 100, (bucket, 2 * K + 3), generator=g)
-    packed[:, K + 1] = torch.tensor([1, 3, 2, 9])  # accepted counts (the padding row's is ignored)
-    advance_inputs(inputs, packed, num_requests, draft_len, K)
+    packed[:, K + 1] = torch.tensor([1, 3, 2, 2])  # accepted counts
+    advance_inputs(inputs, packed, bucket, draft_len, K, padding_slot)
     rows = packed[:num_requests].tolist()
     next_inputs = [row[K + 2:K + 3 + draft_len] for row in rows]  # Engine._complete's arithmetic
     assert inputs[0, :tokens].tolist() == [t for nxt in next_inputs for t in nxt]
     assert inputs[1, :tokens].tolist() == [c + row[K + 1] + i for c, row in zip(num_cached, rows)
                                            for i in range(per_request)]
-    assert inputs[2, :tokens].tolist() == [s for s in slots for _ in range(per_request)]
+    assert inputs[2, :tokens].tolist() == [s for s in slots[:num_requests] for _ in range(per_request)]
     assert inputs[3, :num_requests * draft_len].tolist() == [t for nxt in next_inputs for t in nxt[1:]]
-    assert torch.equal(inputs[:3, tokens:], padding[:3])
+    assert torch.equal(inputs[1:3, tokens:], padding[1:3])  # the padding row's positions and slot stay
 
 
 def test_run_ahead_decodes_losslessly(monkeypatch):

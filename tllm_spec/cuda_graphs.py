@@ -51,20 +51,21 @@ def pack_outputs(out: dict[str, torch.Tensor], max_draft_len: int) -> torch.Tens
                      dim=1)
 
 
-def advance_inputs(inputs: torch.Tensor, packed: torch.Tensor, num_requests: int, draft_len: int,
-                   max_draft_len: int) -> None:
+def advance_inputs(inputs: torch.Tensor, packed: torch.Tensor, size: int, draft_len: int, max_draft_len: int,
+                   padding_slot: int) -> None:
     """The next generation step's inputs from this one's packed outputs, in place on the device: what the engine
     computes on the host after a step, for requests that all continue with ``draft_len`` drafts. inputs
-    [4, T] int64 (ids | positions | slots | drafts, flat layout, real requests first); packed [>= B, 2K+3].
-    Each request's next tokens are its ``next_new_tokens`` (the last accepted token, then the new drafts), its
-    positions move on by its accepted count, its slot stays; padding rows are left as they are."""
+    [4, T] int64 (ids | positions | slots | drafts, flat layout); packed [size, 2K+3]. Each request's next tokens
+    are its ``next_new_tokens`` (the last accepted token, then the new drafts), its positions move on by its
+    accepted count, its slot stays; padding rows (``padding_slot``) keep their positions."""
     per_request = draft_len + 1
-    tokens = num_requests * per_request
-    accepted = packed[:num_requests, max_draft_len + 1]  # [B]
-    next_tokens = packed[:num_requests, max_draft_len + 2:max_draft_len + 2 + per_request]  # [B, k+1]
-    inputs[0, :tokens].copy_(next_tokens.flatten())
-    inputs[1, :tokens].view(num_requests, per_request).add_(accepted[:, None])
-    inputs[3, :num_requests * draft_len].copy_(next_tokens[:, 1:].flatten())
+    tokens = size * per_request
+    slots = inputs[2, :tokens].view(size, per_request)
+    accepted = packed[:, max_draft_len + 1] * (slots[:, 0] != padding_slot)  # [size]
+    next_tokens = packed[:, max_draft_len + 2:max_draft_len + 2 + per_request]  # [size, k+1]
+    inputs[0, :tokens].view(size, per_request).copy_(next_tokens)
+    inputs[1, :tokens].view(size, per_request).add_(accepted[:, None])
+    inputs[3, :size * draft_len].view(size, draft_len).copy_(next_tokens[:, 1:])
 
 
 def generation_step(model: SpecModel, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -163,13 +164,11 @@ class CUDAGraphRunner:
         return self.last is not None and self.last[0][1] == self.last[0][2]
 
     def run_next(self) -> torch.Tensor:
-        """Replay the last step's graph on inputs advanced on the device from its own outputs
-        (:func:`advance_inputs`), before the host has seen them: the same requests, sampling rows and draft
-        lengths. Returns the packed outputs [B, 2K+3] of the real requests (the same buffer as the last step's:
-        copy those out first)."""
+        """Replay the last step's graph on the inputs it advanced from its own outputs (:func:`advance_inputs`),
+        before the host has seen them: the same requests, sampling rows and draft lengths. Returns the packed
+        outputs [B, 2K+3] of the real requests (the same buffer as the last step's: copy those out first)."""
         key, num_requests = self.last
         graph, packed = self.graphs[key]
-        advance_inputs(self.inputs, packed, num_requests, key[1], self.k)
         graph.replay()
         return packed[:num_requests]
 
@@ -188,11 +187,15 @@ class CUDAGraphRunner:
         self.model.spec_metadata.prepare(params + [pad_params] * pad, (), draft_len, next_draft_len)
 
     def _forward(self, size: int, draft_len: int) -> torch.Tensor:
+        """The step as captured: it ends by advancing its own inputs (:func:`advance_inputs`), ready for a
+        :meth:`run_next`; a step the host fills overwrites them all first."""
         tokens = size * (draft_len + 1)
         drafts = self.inputs[3, :size * draft_len].view(size, draft_len)
         with self.compile_settings():
-            return self.step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens], self.inputs[2, :tokens],
-                             drafts)
+            packed = self.step(self.model, self.inputs[0, :tokens], self.inputs[1, :tokens],
+                               self.inputs[2, :tokens], drafts)
+        advance_inputs(self.inputs, packed, size, draft_len, self.k, self.model.kv_cache.padding_slot)
+        return packed
 
     def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph | EagerReplay, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so
