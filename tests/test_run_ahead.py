@@ -39,7 +39,8 @@ def test_advanced_inputs_are_what_the_host_builds():
 
 def test_run_ahead_decodes_losslessly(monkeypatch):
     target, head = tiny_pair("llama")
-    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=3)
+    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=3,
+                                      max_seq_len=48)
     model.graph_runner = CUDAGraphRunner(model, compile_step=False)  # the graphed path, replayed eagerly
     launched = {"ahead": 0}
     run_next = CUDAGraphRunner.run_next
@@ -50,6 +51,7 @@ def test_run_ahead_decodes_losslessly(monkeypatch):
     monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
     prompts = [[5, 17, 3, 44, 9], [12, 8], [7] * 9, [1, 2, 3], [30, 31]]
     max_new = [40, 45, 31, 12, 36]  # five requests for three slots: two wait, batches change as requests end
+    max_new[2] = 48 - len(prompts[2])  # ends at max_seq_len, with a step for it already launched
     params = [SamplingParams(max_new_tokens=n) for n in max_new]
     # the second request stops at its 10th token, mid-run, while a step for it is already launched
     params[1] = params[1].model_copy(update={"stop_token_ids": [hf_greedy(target, prompts[1], 45)[9]]})

@@ -131,7 +131,7 @@ class Engine:
         that ended meanwhile has that one step's rows dropped."""
         step = self._launch(batch)
         while True:
-            ahead = self._launch_next(step) if self._can_run_ahead(batch, step, may_admit) else None
+            ahead = self._launch_next(step) if self._can_run_ahead(step, may_admit) else None
             self._complete(batch, step, bar)
             if ahead is None:
                 return
@@ -140,14 +140,13 @@ class Engine:
                 self._complete(batch, step, bar)
                 return
 
-    def _can_run_ahead(self, batch: list[Request], step: _Launched, may_admit: bool) -> bool:
+    def _can_run_ahead(self, step: _Launched, may_admit: bool) -> bool:
         """A generation-only graphed batch that keeps its draft length and has no grammar, with no waiting request
-        it could admit, and none of whose requests can reach its length limit within two steps (the extra step's
-        K/V writes stay inside each request's reserved pages)."""
+        it could admit. (A step run ahead for a request that has just ended writes K/V at most K + 1 positions
+        past what the request reserved: into the scratch page, :meth:`SpecModel._make_kv_cache`.)"""
         runner = self.model.graph_runner
         return (runner is not None and step.graphed and runner.can_run_next() and not may_admit
-                and self.model.worker.guided_decoder is None
-                and all(len(r.prompt) + len(r.output) + 2 * (self.k + 1) < r.max_total_tokens for r in batch))
+                and self.model.worker.guided_decoder is None)
 
     def _launch(self, batch: list[Request]) -> _Launched:
         """Build the step's flat inputs on the host (context requests first) and launch it. Generation requests

@@ -237,7 +237,10 @@ class SpecModel(nn.Module):
 
     def _make_kv_cache(self) -> KVCache:
         shapes = self.target.kv_layer_shapes() + self.worker.kv_layer_shapes()
-        per_request = self.max_seq_len + 2 * self.max_draft_len + 1
+        # a request writes K/V up to 2K positions past its committed length (target K, draft passes K - 1 more),
+        # and a step the engine runs ahead (Engine._run) K + 1 past that: block-table entries past a request's
+        # reserved pages point at the scratch page, so such writes land there
+        per_request = self.max_seq_len + 3 * self.max_draft_len + 2
         page = self.engine_config.page_size
         num_pages = self.engine_config.num_pages or _auto_num_pages(
             shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config, self.device,
