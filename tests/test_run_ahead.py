@@ -39,8 +39,9 @@ def test_advanced_inputs_are_what_the_host_builds():
 
 def test_run_ahead_decodes_losslessly(monkeypatch):
     target, head = tiny_pair("llama")
+    max_seq_len = 57  # + 2K + 1 fills whole pages of 16: a block table without room for a step ahead would overflow
     model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=3,
-                                      max_seq_len=48)
+                                      max_seq_len=max_seq_len)
     model.graph_runner = CUDAGraphRunner(model, compile_step=False)  # the graphed path, replayed eagerly
     launched = {"ahead": 0}
     run_next = CUDAGraphRunner.run_next
@@ -51,7 +52,7 @@ def test_run_ahead_decodes_losslessly(monkeypatch):
     monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
     prompts = [[5, 17, 3, 44, 9], [12, 8], [7] * 9, [1, 2, 3], [30, 31]]
     max_new = [40, 45, 31, 12, 36]  # five requests for three slots: two wait, batches change as requests end
-    max_new[2] = 48 - len(prompts[2])  # ends at max_seq_len, with a step for it already launched
+    max_new[2] = max_seq_len - len(prompts[2])  # ends at max_seq_len, with a step for it already launched
     params = [SamplingParams(max_new_tokens=n) for n in max_new]
     # the second request stops at its 10th token, mid-run, while a step for it is already launched
     params[1] = params[1].model_copy(update={"stop_token_ids": [hf_greedy(target, prompts[1], 45)[9]]})
@@ -66,3 +67,20 @@ def test_run_ahead_decodes_losslessly(monkeypatch):
     in_step = model.generate(prompts, params)  # one step at a time: the same steps and acceptance
     assert [o.stats for o in outputs] == [o.stats for o in in_step]
     assert [o.finish_reason for o in outputs] == ["length", "stop", "length", "length", "length"]
+
+
+def test_a_step_ahead_of_a_request_at_max_seq_len_stays_in_its_block_table(monkeypatch):
+    """Every draft accepted (forced) and a prompt of 7: the request reaches max_seq_len = 57 with the most K/V a
+    step ahead can write (up to position 64, one past a block table sized for max_seq_len + 2K + 1; the CPU
+    reference's indexing would fail there). Outputs equal one step at a time."""
+    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", str(K))
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=2,
+                                      max_seq_len=57)
+    model.graph_runner = CUDAGraphRunner(model, compile_step=False)
+    prompts, params = [[5, 17, 3, 44, 9, 2, 71], [12, 8]], [SamplingParams(max_new_tokens=50)] * 2
+    ahead = model.generate(prompts, params)
+    monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
+    in_step = model.generate(prompts, params)
+    assert [len(o.prompt_token_ids) + len(o.token_ids) for o in ahead] == [57, 52]
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
