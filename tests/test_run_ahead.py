@@ -14,6 +14,17 @@ from .models import eagle3, hf_greedy, tiny_pair
 K = 3
 
 
+def count_steps_run_ahead(monkeypatch) -> list[int]:
+    """A one-item list that counts the steps the engine launches ahead from now on."""
+    count, run_next = [0], CUDAGraphRunner.run_next
+
+    def counting(self):
+        count[0] += 1
+        return run_next(self)
+    monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
+    return count
+
+
 def test_advanced_inputs_are_what_the_host_builds():
     g = torch.Generator().manual_seed(0)
     num_requests, draft_len, bucket, padding_slot = 3, 2, 4, 5
@@ -43,13 +54,7 @@ def test_run_ahead_decodes_losslessly(monkeypatch):
     model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=3,
                                       max_seq_len=max_seq_len)
     model.graph_runner = CUDAGraphRunner(model, compile_step=False)  # the graphed path, replayed eagerly
-    launched = {"ahead": 0}
-    run_next = CUDAGraphRunner.run_next
-
-    def counting(self):
-        launched["ahead"] += 1
-        return run_next(self)
-    monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
+    launched = count_steps_run_ahead(monkeypatch)
     prompts = [[5, 17, 3, 44, 9], [12, 8], [7] * 9, [1, 2, 3], [30, 31]]
     max_new = [40, 45, 31, 12, 36]  # five requests for three slots: two wait, batches change as requests end
     max_new[2] = max_seq_len - len(prompts[2])  # ends at max_seq_len, with a step for it already launched
@@ -57,7 +62,7 @@ def test_run_ahead_decodes_losslessly(monkeypatch):
     # the second request stops at its 10th token, mid-run, while a step for it is already launched
     params[1] = params[1].model_copy(update={"stop_token_ids": [hf_greedy(target, prompts[1], 45)[9]]})
     outputs = model.generate(prompts, params)
-    assert launched["ahead"] > 10
+    assert launched[0] > 10
     for prompt, n, p, out in zip(prompts, max_new, params, outputs):
         expected = hf_greedy(target, prompt, n)
         if p.stop_token_ids:

@@ -9,6 +9,7 @@ from tllm_spec.spec_model import SpecModel
 
 from ..models import eagle3, hf_greedy, tiny_pair
 from ..test_mtp_lossless import mtp_target
+from ..test_run_ahead import count_steps_run_ahead
 
 pytestmark = pytest.mark.cuda
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
@@ -246,15 +247,9 @@ def test_run_ahead_equals_one_step_at_a_time(spec, monkeypatch):
     first = model.generate(PROMPTS, params, seed=1)
     stop = first[1].token_ids[9]
     params[1] = params[1].model_copy(update={"stop_token_ids": [stop]})
-    calls = {"ahead": 0}
-    run_next = CUDAGraphRunner.run_next
-
-    def counting(self):
-        calls["ahead"] += 1
-        return run_next(self)
-    monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
+    launched = count_steps_run_ahead(monkeypatch)
     ahead = model.generate(PROMPTS, params, seed=1)
-    assert calls["ahead"] > 20
+    assert launched[0] > 20
     monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
     in_step = model.generate(PROMPTS, params, seed=1)
     assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
