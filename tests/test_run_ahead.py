@@ -3,6 +3,7 @@ device advances from the step's own outputs, before the host reads them. Checked
 runner's bookkeeping (static buffers, padding to buckets; a replay runs the step eagerly): the advanced inputs
 are exactly what the host would build, and decoding stays lossless while requests end at different steps, wait
 for a slot, and finish by stop token or length."""
+import pytest
 import torch
 
 from tllm_spec import SamplingParams
@@ -51,12 +52,12 @@ def test_advanced_inputs_are_what_the_host_builds():
 def test_run_ahead_decodes_losslessly(monkeypatch):
     target, head = tiny_pair("llama")
     max_seq_len = 57  # + 2K + 1 fills whole pages of 16: a block table without room for a step ahead would overflow
-    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=3,
-                                      max_seq_len=max_seq_len)
+    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=4,
+                                      max_seq_len=max_seq_len)  # a batch of 3 pads to the bucket of 4
     model.graph_runner = CUDAGraphRunner(model, compile_step=False)  # the graphed path, replayed eagerly
     launched = count_steps_run_ahead(monkeypatch)
     prompts = [[5, 17, 3, 44, 9], [12, 8], [7] * 9, [1, 2, 3], [30, 31]]
-    max_new = [40, 45, 31, 12, 36]  # five requests for three slots: two wait, batches change as requests end
+    max_new = [40, 45, 31, 12, 36]  # five requests for four slots: one waits, batches change as requests end
     max_new[2] = max_seq_len - len(prompts[2])  # ends at max_seq_len, with a step for it already launched
     params = [SamplingParams(max_new_tokens=n) for n in max_new]
     # the second request stops at its 10th token, mid-run, while a step for it is already launched
@@ -71,21 +72,29 @@ def test_run_ahead_decodes_losslessly(monkeypatch):
     monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
     in_step = model.generate(prompts, params)  # one step at a time: the same steps and acceptance
     assert [o.stats for o in outputs] == [o.stats for o in in_step]
+    for key in ("decode_steps", "mean_decode_batch"):  # a step's dropped rows are not counted
+        assert outputs.stats[key] == in_step.stats[key], key
     assert [o.finish_reason for o in outputs] == ["length", "stop", "length", "length", "length"]
 
 
-def test_a_step_ahead_of_a_request_at_max_seq_len_stays_in_its_block_table(monkeypatch):
-    """Every draft accepted (forced) and a prompt of 7: the request reaches max_seq_len = 57 with the most K/V a
-    step ahead can write (up to position 64, one past a block table sized for max_seq_len + 2K + 1; the CPU
-    reference's indexing would fail there). Outputs equal one step at a time."""
-    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", str(K))
+@pytest.mark.parametrize("k", [3, 4])
+def test_a_step_ahead_of_a_request_at_max_seq_len_stays_in_its_tables(k, monkeypatch):
+    """Every draft accepted (forced) and a prompt of 7 (K = 3) or 5 (K = 4): the request reaches max_seq_len with
+    the most positions a step ahead can touch, max_seq_len + 3K - 2 (past a block table or RoPE table sized for
+    max_seq_len + 2K + 2; the CPU reference's indexing fails there). Outputs equal one step at a time."""
+    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", str(k))
     target, head = tiny_pair("llama")
-    model = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=2,
-                                      max_seq_len=57)
+    max_seq_len = 57 if k == 3 else 52  # + 2K + 1 fills whole pages of 16
+    model = SpecModel.from_pretrained(target, eagle3(head, k), dtype=torch.float32, max_batch_size=2,
+                                      max_seq_len=max_seq_len)
     model.graph_runner = CUDAGraphRunner(model, compile_step=False)
-    prompts, params = [[5, 17, 3, 44, 9, 2, 71], [12, 8]], [SamplingParams(max_new_tokens=50)] * 2
+    prompts = [[5, 17, 3, 44, 9, 2, 71][:7 if k == 3 else 5], [12, 8]]
+    params = [SamplingParams(max_new_tokens=60)] * 2
+    launched = count_steps_run_ahead(monkeypatch)
     ahead = model.generate(prompts, params)
+    assert launched[0] > 5
     monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
     in_step = model.generate(prompts, params)
-    assert [len(o.prompt_token_ids) + len(o.token_ids) for o in ahead] == [57, 52]
+    assert [len(o.prompt_token_ids) + len(o.token_ids) for o in ahead] == [max_seq_len] * 2
     assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
+    assert ahead.stats["decode_steps"] == in_step.stats["decode_steps"]

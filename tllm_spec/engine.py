@@ -128,7 +128,8 @@ class Engine:
         """Steps for ``batch`` until one of its requests ends (or the batch must change). While a graphed batch
         stays as it is, the next step is launched before the host reads this one's outputs (its inputs advanced
         on the device, :meth:`CUDAGraphRunner.run_next`), so the host's work hides behind the GPU's; a request
-        that ended meanwhile has that one step's rows dropped."""
+        that ended meanwhile has that one step's rows dropped. (That step keeps the draft length it was launched
+        with: under a ``draft_len_schedule`` the batch's new size takes effect one step later.)"""
         step = self._launch(batch)
         while True:
             ahead = self._launch_next(step) if self._can_run_ahead(step, may_admit) else None
@@ -198,8 +199,9 @@ class Engine:
         if step.ready is not None:
             step.ready.synchronize()
         waited = time.perf_counter()
-        for r, row in zip(batch, step.host.tolist()):
-            if r.finish_reason:
+        live = [not r.finish_reason for r in batch]
+        for r, row, used in zip(batch, step.host.tolist(), live):
+            if not used:
                 continue
             n = row[self.k + 1]
             if r.is_context:
@@ -213,9 +215,9 @@ class Engine:
             r.accept(row[:n])
             bar.update(len(r.output) - before)
         done = time.perf_counter()
-        if not step.has_context:  # a chained step's time runs from the previous step's end: they overlap
+        if not step.has_context and any(live):  # a chained step's time runs from the previous step's end
             began = self._last_done if step.chained else step.start
-            self.decode.record(done - began, step.host_seconds + (done - waited), len(batch))
+            self.decode.record(done - began, step.host_seconds + (done - waited), sum(live))
         self._last_done = done
 
     def _finish(self, outputs: list[RequestOutput | None], total: AcceptanceStats,

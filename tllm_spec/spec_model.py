@@ -53,9 +53,8 @@ class SpecModel(nn.Module):
         worker.allocate_state(self.max_batch_size + 1, target.vocab_size, self.device)  # + the padding slot
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
         if engine_config.use_fused_layers:
-            max_positions = self.max_seq_len + 2 * self.max_draft_len + 2
-            target.fuse(max_positions)
-            worker.fuse(max_positions)
+            target.fuse(self.max_positions_per_request)
+            worker.fuse(self.max_positions_per_request)
         use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
         self._compile_whole = use_graphs and engine_config.compile_step and self.compiles_step_whole
         if use_graphs and engine_config.compile_step and not self._compile_whole:
@@ -235,12 +234,17 @@ class SpecModel(nn.Module):
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    @property
+    def max_positions_per_request(self) -> int:
+        """Positions a request's step may touch (block-table width, RoPE tables): a step writes up to 2K - 1 past
+        the committed length (target K, draft passes K - 1 more), and a step the engine runs ahead for a request
+        that has just ended (``Engine._run``) starts up to K past its last committed length; block-table entries
+        past a request's reserved pages point at the scratch page, so those writes land there."""
+        return self.max_seq_len + 3 * self.max_draft_len + 2
+
     def _make_kv_cache(self) -> KVCache:
         shapes = self.target.kv_layer_shapes() + self.worker.kv_layer_shapes()
-        # a request writes K/V up to 2K positions past its committed length (target K, draft passes K - 1 more),
-        # and a step the engine runs ahead (Engine._run) K + 1 past that: block-table entries past a request's
-        # reserved pages point at the scratch page, so such writes land there
-        per_request = self.max_seq_len + 3 * self.max_draft_len + 2
+        per_request = self.max_positions_per_request
         page = self.engine_config.page_size
         num_pages = self.engine_config.num_pages or _auto_num_pages(
             shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config, self.device,

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from tllm_spec.kernels import dependent_launch
+from tllm_spec.kernels.paged_attention import paged_attention
 from tllm_spec.kernels.rms_norm import rms_norm
 from tllm_spec.kernels.skinny_linear import (MAX_ROWS, skinny_linear, skinny_linear_op, skinny_linear_ref, supports,
                                             tile_config)
@@ -96,8 +97,8 @@ def test_rotary_epilogue_is_the_stock_rotation(dtype, heads, head_dim, bias, row
     num_heads, num_kv_heads = heads
     n, rotary_cols = (num_heads + 2 * num_kv_heads) * head_dim, (num_heads + num_kv_heads) * head_dim
     x, w, b = _operands(rows, n, 4096, dtype, bias, seed=n + rows)
-    angles = torch.rand(rows, 1, device="cuda") * 1000 * torch.rand(head_dim // 2, device="cuda")
-    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    angles = torch.rand(rows, 1, device="cuda") * 1000 * torch.rand(head_dim, device="cuda")  # halves differ
+    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
     assert supports(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
     out = skinny_linear(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
     ref = skinny_linear_ref(x.float(), w.float(), None if b is None else b.float(), rope_cos=cos.float(),
@@ -111,10 +112,10 @@ def test_rotary_epilogue_is_the_stock_rotation(dtype, heads, head_dim, bias, row
     assert torch.equal(out, expected)
 
 
-def test_dependent_launches_replay_in_a_cuda_graph():
+def test_dependent_launches_replay_in_a_cuda_graph(monkeypatch):
     """On Hopper the kernels launch as programmatic dependents: a chain of them (norm -> rotary qkv -> attention
-    inputs -> o with residual -> gated gate/up -> down with residual) captured in a CUDA graph replays to the
-    eager chain's results, every replay."""
+    writing its K/V, with the K/V prefetch before its wait -> o with residual -> gated gate/up -> down with
+    residual) captured in a CUDA graph replays, every time, to what the same chain gives launched normally."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
     assert dependent_launch.launches_dependent(torch.empty(1, device="cuda"))
@@ -124,18 +125,27 @@ def test_dependent_launches_replay_in_a_cuda_graph():
           for shape in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
     norm_w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     cos, sin = torch.rand(2, 4, 128, device="cuda", generator=g).bfloat16().unbind(0)
+    pages = torch.randn(2, 40, 16, 8, 128, device="cuda", generator=g).bfloat16()
+    block_tables = torch.arange(1, 17, device="cuda", dtype=torch.int32).view(2, 8)
+    slots, positions = torch.zeros(4, dtype=torch.int64, device="cuda"), torch.arange(100, 104, device="cuda")
 
-    def chain(h):
+    def chain(h, k_cache, v_cache):
         qkv = skinny_linear(rms_norm(h, norm_w, 1e-5), ws[0], rope_cos=cos, rope_sin=sin, rotary_cols=5120)
-        h = skinny_linear(qkv[:, :4096].contiguous(), ws[1], residual=h)
+        q, k, v = (qkv[:, a:b].view(4, -1, 128) for a, b in ((0, 4096), (4096, 5120), (5120, 6144)))
+        attn = paged_attention(q, k_cache, v_cache, block_tables, slots, positions, 128 ** -0.5, 256, None, 4,
+                               new_kv=(k, v))
+        h = skinny_linear(attn.flatten(1), ws[1], residual=h)
         return skinny_linear(skinny_linear(rms_norm(h, norm_w, 1e-5), ws[2], gated=True), ws[3], residual=h)
-    eager = chain(h)
-    chain(h)
+    with monkeypatch.context() as m:
+        m.setattr(dependent_launch, "launches_dependent", lambda t: False)
+        expected = chain(h, *pages.clone().unbind(0))
+    caches = pages.clone().unbind(0)
+    chain(h, *caches)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain(h)
+        out = chain(h, *caches)
     for _ in range(3):
         out.zero_()
         graph.replay()
-        assert torch.equal(out, eager)
+        assert torch.equal(out, expected)

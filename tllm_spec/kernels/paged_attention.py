@@ -96,7 +96,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[(triton.cdiv(num_tokens, query_len), num_kv_heads)](
         q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, num_tokens, q.stride(0),
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), new_kv is not None,
-        block_tables.stride(0), sliding_window or 0,
+        block_tables.stride(0), block_tables.shape[0], sliding_window or 0,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
         ROWS_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=128,
@@ -112,7 +112,7 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
                                 scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr, kn_stride_t, kn_stride_h,
-                                vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride, window,
+                                vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride, bt_rows, window,
                                 PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                                 QUERY_LEN: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -129,8 +129,8 @@ if triton is not None:
         if PDL:
             if PREFETCH_BLOCKS > 0:
                 _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
-                             kv_head, bt_stride, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM, HEAD_DIM_PAD,
-                             BLOCK_N, PREFETCH_BLOCKS, KV_LINE)
+                             kv_head, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
+                             HEAD_DIM_PAD, BLOCK_N, PREFETCH_BLOCKS, KV_LINE)
             wait_and_release()
         if WRITE:
             _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
@@ -183,17 +183,18 @@ if triton is not None:
 
     @triton.jit
     def _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens, kv_head,
-                     bt_stride, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr,
+                     bt_stride, bt_rows, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                      PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """Ask L2 for the K/V rows of head kv_head at the run's first PREFETCH_BLOCKS * BLOCK_N positions up to
-        its last token's."""
+        its last token's. It runs before the wait: the slot is clamped and the block-table columns masked, so even
+        a value the kernel before were still writing could only send a prefetch elsewhere in the cache."""
         last = tl.load(positions_ptr + tl.minimum(first + QUERY_LEN - 1, num_tokens - 1))  # a run's positions rise
-        slot = tl.load(token_slots_ptr + first).to(tl.int64)
+        slot = tl.minimum(tl.maximum(tl.load(token_slots_ptr + first).to(tl.int64), 0), bt_rows - 1)
         lines = tl.arange(0, (HEAD_DIM_PAD + KV_LINE - 1) // KV_LINE) * KV_LINE
         for block in tl.static_range(PREFETCH_BLOCKS):
             kpos = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = kpos <= last
+            ok = (kpos <= last) & (kpos // PAGE_SIZE < bt_stride)
             page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=ok, other=0)
             rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
             prefetch_l2(k_ptr + rows[:, None] + lines[None, :], ok[:, None])

@@ -88,7 +88,7 @@ def _supports_rotary(x: torch.Tensor, weight: torch.Tensor, gated: bool, cos: to
     head_dim = cos.shape[-1]
     return (not gated and cos.shape == sin.shape == (x.shape[0], head_dim) and cos.dtype == sin.dtype == x.dtype
             and cos.stride(1) == sin.stride(1) == 1 and head_dim % block_n == 0
-            and rotary_cols % block_n == 0 and rotary_cols <= weight.shape[0])
+            and rotary_cols % head_dim == 0 and rotary_cols <= weight.shape[0])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
