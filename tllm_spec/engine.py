@@ -142,11 +142,11 @@ class Engine:
                 return
 
     def _can_run_ahead(self, step: _Launched, may_admit: bool) -> bool:
-        """A generation-only graphed batch that keeps its draft length and has no grammar, with no waiting request
-        it could admit. (A step run ahead for a request that has just ended writes K/V at most K + 1 positions
+        """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
+        its draft length and has no grammar, with no waiting request it could admit. (A step run ahead for a request that has just ended writes K/V at most K + 1 positions
         past what the request reserved: into the scratch page, :meth:`SpecModel._make_kv_cache`.)"""
         runner = self.model.graph_runner
-        return (runner is not None and step.graphed and runner.can_run_next() and not may_admit
+        return (runner is not None and not step.has_context and runner.can_run_next() and not may_admit
                 and self.model.worker.guided_decoder is None)
 
     def _launch(self, batch: list[Request]) -> _Launched:
@@ -168,29 +168,27 @@ class Engine:
         if self.model.worker.guided_decoder is not None:  # grammar masks for this step, filled before it runs
             self.model.worker.guided_decoder.build([r.matcher for r in batch],
                                                    [[] if r.is_context else r.next_input[1:] for r in batch])
-        runner = self.model.graph_runner
-        graphed = runner is not None and not contexts and runner.bucket(len(batch)) is not None
         packed = self.model.step(ids, positions, slots, drafts, [r.params for r in batch],
                                  tuple(len(r.prompt) for r in contexts), draft_len, next_draft_len)
-        return self._copy_out(packed, start, draft_len, next_draft_len, bool(contexts), graphed, chained=False)
+        return self._copy_out(packed, start, draft_len, next_draft_len, bool(contexts), chained=False)
 
     def _launch_next(self, step: _Launched) -> _Launched:
         start = time.perf_counter()
         packed = self.model.graph_runner.run_next()
-        return self._copy_out(packed, start, step.draft_len, step.next_draft_len, False, True, chained=True)
+        return self._copy_out(packed, start, step.draft_len, step.next_draft_len, False, chained=True)
 
     def _copy_out(self, packed: torch.Tensor, start: float, draft_len: int, next_draft_len: int, has_context: bool,
-                  graphed: bool, chained: bool) -> _Launched:
+                  chained: bool) -> _Launched:
         """Queue the step's one device-to-host copy (into the pinned buffer not in use) behind its kernels."""
         if not packed.is_cuda:  # a copy: a static output buffer is overwritten by the next replay
-            return _Launched(packed.clone(), None, draft_len, next_draft_len, has_context, graphed, chained, start,
+            return _Launched(packed.clone(), None, draft_len, next_draft_len, has_context, chained, start,
                              time.perf_counter() - start)
         self._buffer ^= 1
         host = self._host_buffers[self._buffer][:packed.shape[0]]
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(host, ready, draft_len, next_draft_len, has_context, graphed, chained, start,
+        return _Launched(host, ready, draft_len, next_draft_len, has_context, chained, start,
                          time.perf_counter() - start)
 
     def _complete(self, batch: list[Request], step: _Launched, bar: tqdm) -> None:
@@ -239,8 +237,7 @@ class _Launched:
     ready: torch.cuda.Event | None
     draft_len: int
     next_draft_len: int
-    has_context: bool
-    graphed: bool
+    has_context: bool  # a step with prompts: never graphed, never timed as a decode step
     chained: bool  # launched by run_next, before the step before it was read
     start: float
     host_seconds: float

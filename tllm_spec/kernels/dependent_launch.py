@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decoding step.
 
 A dependent kernel is scheduled while the kernel before it still runs. It first does work that reads nothing
-that kernel writes (asking L2 for weights or cached K/V it will read: :func:`prefetch_l2`), then waits for the
+that kernel writes (the attention asks L2 for cached K/V it will read: :func:`prefetch_l2`), then waits for the
 kernel's results (``gdc_wait``) and at once lets the next kernel launch. Within a CUDA graph this hides most of
 the gap between consecutive kernels of a one-request step, and fills the memory system while small kernels
 (norms, attention over a short context) run. Every kernel launched this way waits before it reads or writes
