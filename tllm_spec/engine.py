@@ -143,8 +143,9 @@ class Engine:
 
     def _can_run_ahead(self, step: _Launched, may_admit: bool) -> bool:
         """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
-        its draft length and has no grammar, with no waiting request it could admit. (A step run ahead for a request that has just ended writes K/V at most K + 1 positions
-        past what the request reserved: into the scratch page, :meth:`SpecModel._make_kv_cache`.)"""
+        its draft length and has no grammar, with no waiting request it could admit. (A step run ahead for a
+        request that has just ended writes K/V at most K + 1 positions past what the request reserved: into the
+        scratch page, :attr:`SpecModel.max_positions_per_request`.)"""
         runner = self.model.graph_runner
         return (runner is not None and not step.has_context and runner.can_run_next() and not may_admit
                 and self.model.worker.guided_decoder is None)
