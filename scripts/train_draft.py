@@ -38,8 +38,10 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--num-modules", type=int, default=1, help="MTP: > 1 trains vanilla MTP modules")
     p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="post_norm")
     p.add_argument("--rollouts", type=int, default=0, help="self-distillation: target continuations of training "
-                   "prompts generated first (half greedy, half T=1) and mixed into every batch")
+                   "prompts generated first (split over --rollout-temperatures) and mixed into every batch")
     p.add_argument("--rollout-prompt-tokens", type=int, default=64)
+    p.add_argument("--rollout-temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                   help="temperature of each equal share of the rollouts (0: greedy)")
     p.add_argument("--rollout-share", type=float, default=0.5, help="fraction of each batch taken from the rollouts")
     p.add_argument("--rollouts-file", help="reuse the rollouts stored here (written on the first run)")
     p.add_argument("--tv-weight", type=float, default=0.0, help="add this times the total-variation distance to "
@@ -61,7 +63,8 @@ def parse_args() -> DraftTrainConfig:
                   draft_vocab=a.draft_vocab, aux_layers=tuple(a.aux_layers) if a.aux_layers else None,
                   intermediate_size=a.intermediate_size, init_from=a.init_from, num_modules=a.num_modules,
                   hidden_feedback=a.hidden_feedback, rollout_sequences=a.rollouts,
-                  rollout_prompt_tokens=a.rollout_prompt_tokens, rollout_share=a.rollout_share,
+                  rollout_prompt_tokens=a.rollout_prompt_tokens, rollout_temperatures=tuple(a.rollout_temperatures),
+                  rollout_share=a.rollout_share,
                   rollouts_file=a.rollouts_file, tv_weight=a.tv_weight,
                   calibrate_temperature=a.calibrate_temperature,
                   heldout_every=a.heldout_every, save_dtype=a.save_dtype,

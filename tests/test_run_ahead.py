@@ -98,3 +98,24 @@ def test_a_step_ahead_of_a_request_at_max_seq_len_stays_in_its_tables(k, monkeyp
     assert [len(o.prompt_token_ids) + len(o.token_ids) for o in ahead] == [max_seq_len] * 2
     assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
     assert ahead.stats["decode_steps"] == in_step.stats["decode_steps"]
+
+
+def test_sampled_requests_with_seeds_run_ahead_as_in_eager(monkeypatch):
+    """A request's own seed keys its numbers by its positions, so a step run ahead (which keeps an ended
+    request's row) leaves them alone; batch-stream rows are numbered by their place in the batch and equal eager's
+    one step at a time (README: the engine runs a step ahead)."""
+    target, head = tiny_pair("llama")
+    prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
+    seeded = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=0.95,
+                             seed=None if i % 2 else 40 + i) for i, n in enumerate([20, 9, 17, 25, 12])]
+    graphed = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=8)
+    graphed.graph_runner = CUDAGraphRunner(graphed, compile_step=False)
+    eager = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=8)
+    launched = count_steps_run_ahead(monkeypatch)
+    ahead, expected = graphed.generate(prompts, seeded, seed=5), eager.generate(prompts, seeded, seed=5)
+    assert launched[0] > 0
+    assert [(o.token_ids, o.stats) for o in ahead] == [(o.token_ids, o.stats) for o in expected]
+    batch_stream = [p.model_copy(update={"seed": None}) for p in seeded]
+    monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
+    in_step, expected = graphed.generate(prompts, batch_stream, seed=5), eager.generate(prompts, batch_stream, seed=5)
+    assert [(o.token_ids, o.stats) for o in in_step] == [(o.token_ids, o.stats) for o in expected]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tllm_spec import MTPConfig, SamplingParams, flashinfer_ops, layers
-from tllm_spec.cuda_graphs import generation_step
+from tllm_spec.cuda_graphs import CUDAGraphRunner, generation_step
 from tllm_spec.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
 
@@ -34,15 +34,26 @@ def test_graphed_greedy_is_lossless_fp32(arch, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_replay_equals_eager(dtype):
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=0.95)
-              for i, n in enumerate(MAX_NEW)]
+def test_graph_replay_equals_eager(dtype, monkeypatch):
+    """Sampled requests with their own seeds equal eager's while steps run ahead; rows of the batch stream (no
+    request seed: numbered by their place in the batch) too when steps run one at a time. A step run ahead keeps
+    an ended request's row, which moves the numbers of the rows after it (README: the engine runs a step ahead)."""
+    seeded = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=0.95,
+                             seed=None if i % 2 else 40 + i) for i, n in enumerate(MAX_NEW)]
     _, graphed = _model("llama", 3, dtype, eager=False)
     _, eager = _model("llama", 3, dtype, eager=True)
-    a = graphed.generate(PROMPTS, params, seed=5)
-    b = eager.generate(PROMPTS, params, seed=5)
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids  # same seed stream: sampled rows equal too
+    launched = count_steps_run_ahead(monkeypatch)
+    _assert_same_outputs(graphed.generate(PROMPTS, seeded, seed=5), eager.generate(PROMPTS, seeded, seed=5))
+    assert launched[0] > 0
+    batch_stream = [p.model_copy(update={"seed": None}) for p in seeded]
+    monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
+    _assert_same_outputs(graphed.generate(PROMPTS, batch_stream, seed=5),
+                         eager.generate(PROMPTS, batch_stream, seed=5))
+
+
+def _assert_same_outputs(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids  # same seeds: sampled rows equal too
         assert x.stats.accepted_per_step == y.stats.accepted_per_step
 
 
@@ -238,7 +249,6 @@ def test_run_ahead_equals_one_step_at_a_time(spec, monkeypatch):
     """The default engine (compiled, graphed, bf16) launches each steady step before the host reads the one
     before; greedy and seeded sampled requests (three slots for five, a stop token mid-run) decode exactly as
     with one step at a time, with the same acceptance."""
-    from tllm_spec.cuda_graphs import CUDAGraphRunner
     target, head = tiny_pair("llama")
     model = SpecModel.from_pretrained(target, eagle3(head, 3) if spec == "eagle3" else None, dtype=torch.bfloat16,
                                       device="cuda", max_batch_size=3)

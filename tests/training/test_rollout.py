@@ -59,6 +59,19 @@ def test_rollouts_file_is_written_once_and_reused(tmp_path):
     again = train_draft(train_config("mtp", "run-rollouts-file", **settings))
     assert again.summary["rollout_tokens"] == 4 * 48
     assert torch.equal(torch.load(path)["rollouts"], stored["rollouts"].flip(0))
-    for other in ({"rollout_sequences": 6}, {"seed": 1}, {"rollout_prompt_tokens": 6}):
+    for other in ({"rollout_sequences": 6}, {"seed": 1}, {"rollout_prompt_tokens": 6},
+                  {"rollout_temperatures": (0.0, 1.0, 1.0)}):
         with pytest.raises(ValueError, match="rollouts made with"):
             train_draft(train_config("mtp", "run-rollouts-file", **{**settings, **other}))
+
+
+def test_rollout_temperatures_set_the_share_of_greedy_rows(tmp_path):
+    path = tmp_path / "rollouts.pt"
+    train_draft(train_config("mtp", "run-rollout-temperatures", steps=1, rollout_sequences=6, rollout_prompt_tokens=8,
+                             rollout_temperatures=(0.0, 1.0, 1.0), rollouts_file=str(path)))
+    rows = torch.load(path)["rollouts"]
+    # the first 8 new tokens (batched and one-row argmaxes of the random tiny target part at near-ties later on)
+    greedy = [row.tolist()[8:16] == hf_greedy(tiny_target(), row.tolist()[:8], 8) for row in rows]
+    assert greedy == [True, True, False, False, False, False]  # a third greedy (the default: half)
+    with pytest.raises(ValueError, match="temperatures are >= 0"):
+        train_config("mtp", "run-rollout-temperatures", rollout_sequences=6, rollout_temperatures=(-1.0,))

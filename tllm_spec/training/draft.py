@@ -55,7 +55,11 @@ class DraftTrainConfig(BaseModel):
     hidden_feedback: Literal["pre_norm", "post_norm"] = Field("post_norm", description="MTP: the hidden fed to "
                                                               "the next level (must match MTPConfig)")
     rollout_sequences: int = Field(0, ge=0, description="self-distillation: target continuations of training "
-                                   "prompts generated before training, half greedy, half at T = 1 (0: none)")
+                                   "prompts generated before training, split evenly over rollout_temperatures "
+                                   "(0: none)")
+    rollout_temperatures: tuple[float, ...] = Field((0.0, 1.0), min_length=1, description="the sampling "
+                                                    "temperature of each equal share of the rollouts (0: greedy); "
+                                                    "(0, 1, 1) weights the draft towards sampled text")
     rollout_prompt_tokens: int = Field(64, ge=1, description="prompt length of each rollout")
     rollout_share: float = Field(0.5, ge=0.0, le=1.0, description="fraction of each batch drawn from the rollouts")
     rollouts_file: str | None = Field(None, description="read the rollouts from this file if it exists (they must "
@@ -89,6 +93,8 @@ class DraftTrainConfig(BaseModel):
             raise ValueError("ttt_steps: vanilla MTP (num_modules > 1) unrolls exactly one level per module")
         if self.kind == "eagle3" and self.num_modules != 1:
             raise ValueError("num_modules applies to kind='mtp' only")
+        if any(t < 0 for t in self.rollout_temperatures):
+            raise ValueError(f"rollout_temperatures {self.rollout_temperatures}: temperatures are >= 0 (0: greedy)")
         if self.rollout_sequences and self.rollout_prompt_tokens >= self.seq_len:
             raise ValueError(f"rollout_prompt_tokens {self.rollout_prompt_tokens} must be < seq_len {self.seq_len}")
         return self
@@ -159,7 +165,8 @@ def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor, target_dir: Pa
     or generated (and written there)."""
     path = Path(cfg.rollouts_file) if cfg.rollouts_file else None
     settings = {"target": str(Path(target_dir).resolve()), "seed": cfg.seed,
-                "prompt_tokens": cfg.rollout_prompt_tokens, "shape": [cfg.rollout_sequences, cfg.seq_len]}
+                "prompt_tokens": cfg.rollout_prompt_tokens, "shape": [cfg.rollout_sequences, cfg.seq_len],
+                "temperatures": list(cfg.rollout_temperatures)}
     if path is not None and path.is_file():
         stored = torch.load(path)
         made_with = {k: stored.get(k) for k in settings} if isinstance(stored, dict) else None
@@ -168,7 +175,7 @@ def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor, target_dir: Pa
                              "or match the settings")
         return stored["rollouts"]
     rollouts = generate_rollouts(model, stream, cfg.rollout_sequences, cfg.rollout_prompt_tokens, cfg.seq_len,
-                                 seed=cfg.seed)
+                                 temperatures=cfg.rollout_temperatures, seed=cfg.seed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"rollouts": rollouts, **settings}, path)
