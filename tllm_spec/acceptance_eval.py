@@ -1,6 +1,7 @@
 """Acceptance evaluation on held-out prompts: for each draft head and temperature, the mean accepted length
-(bonus token included), the acceptance rate per draft position and the histogram of accepted drafts; plus
-wall-clock tokens/s with and without speculation on the same engine (batch 1, T = 0).
+(bonus token included, with its standard error over prompts), the acceptance rate per draft position and the
+histogram of accepted drafts; plus wall-clock tokens/s with and without speculation on the same engine (batch 1,
+T = 0).
 
 Sampled temperatures are verified by rejection sampling (``use_rejection_sampling=True``: drafts drawn at the
 request's temperature, accepted with probability min(1, p/q)); T = 0 by exact argmax comparison.
@@ -74,9 +75,25 @@ def acceptance(model: SpecModel, prompts: list[list[int]], max_new_tokens: int, 
                seed: int = 0) -> dict[str, object]:
     """Aggregate acceptance statistics of one generate() over ``prompts``."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
-    stats = model.generate(prompts, params, seed=seed).stats
+    outputs = model.generate(prompts, params, seed=seed)
     keys = ("steps", "num_tokens", "mean_accepted_length", "acceptance_rate_per_position", "histogram")
-    return {key: stats[key] for key in keys}
+    stats = {key: outputs.stats[key] for key in keys}
+    per_prompt = [(sum(o.stats.accepted_per_step), o.stats.num_steps) for o in outputs]
+    stats["mean_accepted_length_se"] = round(ratio_standard_error(per_prompt), 4)
+    return stats
+
+
+def ratio_standard_error(per_prompt: list[tuple[int, int]]) -> float:
+    """Standard error of the mean accepted length sum(tokens) / sum(steps) over prompts [(tokens, steps)]:
+    the ratio estimator's (delta method), prompts being the independent units (a prompt's steps are not: one
+    hard passage lowers many). 0 for fewer than 2 prompts."""
+    m = len(per_prompt)
+    steps = sum(s for _, s in per_prompt)
+    if m < 2 or steps == 0:
+        return 0.0
+    ratio = sum(n for n, _ in per_prompt) / steps
+    residuals = sum((n - ratio * s) ** 2 for n, s in per_prompt)
+    return (m / (m - 1) * residuals) ** 0.5 / steps
 
 
 def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_tokens: int, repeats: int = 2
@@ -116,7 +133,8 @@ def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]]
             stats = acceptance(model, prompts, max_new_tokens, temperature)
             result["heads"][name][f"T={temperature:g}"] = stats
             if progress:
-                print(f"{name} T={temperature:g}: mean accepted length {stats['mean_accepted_length']:.3f}, "
+                print(f"{name} T={temperature:g}: mean accepted length {stats['mean_accepted_length']:.3f} "
+                      f"± {stats['mean_accepted_length_se']:.3f} (standard error over prompts), "
                       f"per position {stats['acceptance_rate_per_position']}, histogram {stats['histogram']}",
                       flush=True)
     result["speed"] = {}
@@ -131,7 +149,7 @@ def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]]
 
 def format_table(result: dict[str, object]) -> str:
     """A markdown table of the evaluation (for the README / resolution note)."""
-    lines = ["| head | T | mean accepted length | acceptance per position | histogram | tokens/s (speedup) |",
+    lines = ["| head | T | mean accepted length (± s.e.) | acceptance per position | histogram | tokens/s (speedup) |",
              "|---|---|---|---|---|---|"]
     speed = result["speed"]
     if speed:
@@ -143,7 +161,9 @@ def format_table(result: dict[str, object]) -> str:
             timed = speed and key == "T=0"
             tps = f"{speed[name]['tokens_per_s']:.1f} ({speed[name]['speedup']:.2f}x)" if timed else "-"
             rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
-            lines.append(f"| {name} | {key[2:]} | {stats['mean_accepted_length']:.2f} | {rates} | "
+            se = stats.get("mean_accepted_length_se")  # absent from evaluations written before it was added
+            length = f"{stats['mean_accepted_length']:.2f}" + (f" ± {se:.2f}" if se is not None else "")
+            lines.append(f"| {name} | {key[2:]} | {length} | {rates} | "
                          f"{stats['histogram']} | {tps} |")
     return "\n".join(lines)
 

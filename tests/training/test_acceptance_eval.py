@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tllm_spec.acceptance_eval import evaluate, format_table, head_configs, plot, prompt_ids
+from tllm_spec.acceptance_eval import evaluate, format_table, head_configs, plot, prompt_ids, ratio_standard_error
 from tllm_spec.tokenizer import load_tokenizer
 
 from .helpers import corpus, tiny_target, trained
@@ -29,6 +30,19 @@ def test_prompts_are_the_first_tokens_of_long_enough_texts():
         prompt_ids(tokenizer, ["short"], 2, 12)
 
 
+def test_standard_error_of_the_mean_accepted_length():
+    # two prompts of 2 steps: 6 and 2 tokens; ratio 2, residuals 2 and -2: sqrt(2 * 8) / 4 = 1
+    assert ratio_standard_error([(6, 2), (2, 2)]) == 1.0
+    assert ratio_standard_error([(6, 2), (6, 2), (6, 2)]) == 0.0  # every prompt alike
+    assert ratio_standard_error([(6, 2)]) == 0.0
+    # unequal lengths: the delta method's value, against 20000 bootstrap resamples of the prompts
+    per_prompt = [(9, 3), (4, 4), (30, 10), (7, 2), (12, 6), (5, 5)]
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.tensor(per_prompt, dtype=torch.float64)[torch.randint(0, 6, (20000, 6), generator=g)]
+    boot = pairs[..., 0].sum(1) / pairs[..., 1].sum(1)
+    assert abs(ratio_standard_error(per_prompt) - boot.std().item()) < 0.15 * boot.std().item()
+
+
 def test_evaluate_reports_every_head_and_temperature(tmp_path):
     heads = head_configs(str(trained("eagle3").out), str(trained("mtp").out), k=3)
     prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40, 41, 42, 3, 4]]
@@ -39,6 +53,7 @@ def test_evaluate_reports_every_head_and_temperature(tmp_path):
             stats = result["heads"][name][key]
             assert stats["num_tokens"] == 20 and sum(stats["histogram"]) == stats["steps"]
             assert 1.0 <= stats["mean_accepted_length"] <= 4.0 and len(stats["acceptance_rate_per_position"]) == 3
+            assert stats["mean_accepted_length_se"] >= 0
         assert result["speed"][name]["speedup"] > 0
     assert result["speed"]["plain"]["tokens_per_s"] > 0
     table = format_table(result)
