@@ -59,6 +59,8 @@ def test_rollouts_file_is_written_once_and_reused(tmp_path):
     again = train_draft(train_config("mtp", "run-rollouts-file", **settings))
     assert again.summary["rollout_tokens"] == 4 * 48
     assert torch.equal(torch.load(path)["rollouts"], stored["rollouts"].flip(0))
+    torch.save({k: v for k, v in stored.items() if k != "temperatures"}, path)  # written before the setting
+    assert train_draft(train_config("mtp", "run-rollouts-file", **settings)).summary["rollout_tokens"] == 4 * 48
     for other in ({"rollout_sequences": 6}, {"seed": 1}, {"rollout_prompt_tokens": 6},
                   {"rollout_temperatures": (0.0, 1.0, 1.0)}):
         with pytest.raises(ValueError, match="rollouts made with"):

@@ -169,6 +169,8 @@ def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor, target_dir: Pa
                 "temperatures": list(cfg.rollout_temperatures)}
     if path is not None and path.is_file():
         stored = torch.load(path)
+        if isinstance(stored, dict):
+            stored.setdefault("temperatures", [0.0, 1.0])  # files from before the setting: half greedy, half T = 1
         made_with = {k: stored.get(k) for k in settings} if isinstance(stored, dict) else None
         if made_with != settings:
             raise ValueError(f"{path}: rollouts made with {made_with}, this run needs {settings}: delete the file "
