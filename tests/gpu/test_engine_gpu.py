@@ -187,9 +187,12 @@ def test_graphs_are_keyed_by_bucket_draft_lens_and_all_greedy():
 
 
 @pytest.mark.parametrize("rejection", [False, True])
-def test_draft_len_schedule_in_graphs_equals_eager(rejection):
+def test_draft_len_schedule_in_graphs_equals_eager(rejection, monkeypatch):
     """A schedule that changes the draft length with every batch size (0 drafts at 4+ requests): the graphed
-    compiled step gives the eager tokens (greedy: also HF's in fp32), and its graphs carry the draft lengths."""
+    compiled step gives the eager tokens (greedy: also HF's in fp32), and its graphs carry the draft lengths.
+    Run ahead, a batch's new size takes effect one step later (README), so sampled rows draw after other drafts
+    than eager's: there the greedy rows are checked against HF, and the comparison with eager runs one step at a
+    time."""
     schedule = {1: 3, 2: 2, 3: 1, 4: 0}
     target, head = tiny_pair("llama")
     config = eagle3(head, 3).model_copy(update={"draft_len_schedule": schedule,
@@ -198,6 +201,12 @@ def test_draft_len_schedule_in_graphs_equals_eager(rejection):
                                         enforce_eager=eager) for eager in (False, True)]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 or not rejection else 0.9)
               for i, n in enumerate(MAX_NEW)]
+    launched = count_steps_run_ahead(monkeypatch)
+    for i, (p, n, out) in enumerate(zip(PROMPTS, MAX_NEW, models[0].generate(PROMPTS, params, seed=3))):
+        if params[i].is_greedy:
+            assert out.token_ids == hf_greedy(target, p, n)
+    assert launched[0] > 0
+    monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
     graphed, eager = (m.generate(PROMPTS, params, seed=3) for m in models)
     for i, (p, n, x, y) in enumerate(zip(PROMPTS, MAX_NEW, graphed, eager)):
         assert x.token_ids == y.token_ids
