@@ -33,7 +33,8 @@ def parse_args() -> DraftTrainConfig:
     p.add_argument("--ttt-steps", type=int, default=3, help="draft levels unrolled (EAGLE-3 TTT / MTP-Eagle)")
     p.add_argument("--draft-vocab", type=int, help="EAGLE-3: draft vocabulary size (most frequent tokens)")
     p.add_argument("--aux-layers", type=int, nargs=3, help="EAGLE-3: 0-based layers whose output is captured")
-    p.add_argument("--intermediate-size", type=int, help="EAGLE-3 head MLP width (default: the target's)")
+    p.add_argument("--intermediate-size", type=int, help="EAGLE-3 head MLP width (default: the target's); "
+                   "with --init-from: widen the existing head's MLP (new units start silent)")
     p.add_argument("--init-from", help="fine-tune this existing head / MTP directory (demo://eagle3, demo://mtp)")
     p.add_argument("--num-modules", type=int, default=1, help="MTP: > 1 trains vanilla MTP modules")
     p.add_argument("--hidden-feedback", choices=["pre_norm", "post_norm"], default="post_norm")

@@ -92,6 +92,8 @@ def test_bad_config_is_refused():
         train_config("mtp", "x", draft_vocab=64)
     with pytest.raises(ValueError, match="init_from"):
         train_config("eagle3", "x", init_from="somewhere", draft_vocab=64)
+    with pytest.raises(ValueError, match="MTP modules keep"):
+        train_config("mtp", "x", init_from="somewhere", intermediate_size=64)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
@@ -108,3 +110,25 @@ def test_init_from_starts_at_the_existing_draft(kind):
         assert torch.equal(before[key], after[key]), key
     for level in ("acc0", "acc1", "acc2"):
         assert abs(tuned.summary["heldout"][level] - original.summary["heldout"][level]) < 0.02
+
+
+def test_init_from_widens_the_head_mlp_without_changing_what_it_computes():
+    """intermediate_size with init_from: the old units are kept, the new ones start silent (zero down-projection
+    columns), so the widened head scores exactly what the original scores; narrowing is refused."""
+    original = trained("eagle3")
+    down, gate = "midlayer.mlp.down_proj.weight", "midlayer.mlp.gate_proj.weight"
+    before = load_file(str(original.out / "model.safetensors"))
+    width = before[down].shape[1]
+    wider = train_draft(train_config("eagle3", "run-widen", steps=0, init_from=str(original.out),
+                                     intermediate_size=width + 24))
+    after = load_file(str(wider.out / "model.safetensors"))
+    assert after[down].shape[1] == after[gate].shape[0] == width + 24
+    assert torch.equal(after[down][:, :width], before[down]) and not after[down][:, width:].any()
+    assert torch.equal(after[gate][:width], before[gate]) and after[gate][width:].abs().sum() > 0
+    assert load_eagle3_checkpoint(wider.out).config.llama_config.intermediate_size == width + 24
+    as_saved = train_draft(train_config("eagle3", "run-as-saved", steps=0, init_from=str(original.out)))
+    for metric, value in as_saved.summary["heldout"].items():  # the saved (bf16) head, scored the same way
+        assert wider.summary["heldout"][metric] == pytest.approx(value, abs=1e-4), metric
+    with pytest.raises(ValueError, match="widened, not narrowed"):
+        train_draft(train_config("eagle3", "run-narrow", steps=0, init_from=str(original.out),
+                                 intermediate_size=width - 8))

@@ -18,7 +18,8 @@ from ..drafts.mtp_checkpoint import load_mtp_checkpoint, save_mtp_weights
 from ..tokenizer import load_tokenizer
 from .data import HELDOUT_EVERY, TEXT_SUFFIXES, eval_windows, expand_paths, read_documents, sample_rows, \
     sample_windows, split_heldout, tokenize_documents
-from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, head_from_checkpoint, init_head, load_head
+from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, head_from_checkpoint, init_head, load_head, \
+    widen_mlp
 from .calibration import calibrate_temperature
 from .loop import LoopConfig, LoopResult, autocast, run_loop
 from .mtp import MTPTrainer, init_mtp_modules
@@ -48,9 +49,12 @@ class DraftTrainConfig(BaseModel):
     draft_vocab: int | None = Field(None, ge=2, description="EAGLE-3 draft vocabulary (most frequent tokens)")
     aux_layers: tuple[int, int, int] | None = Field(None, description="EAGLE-3: 0-based layers whose OUTPUT is "
                                                     "captured; default (1, L//2-1, L-4)")
-    intermediate_size: int | None = Field(None, ge=1, description="EAGLE-3 head MLP width; default the target's")
+    intermediate_size: int | None = Field(None, ge=1, description="EAGLE-3 head MLP width; default the target's. "
+                                          "With init_from: widen the existing head's MLP to this many units "
+                                          "(the new ones start silent)")
     init_from: str | None = Field(None, description="fine-tune this existing head / MTP directory instead of a "
-                                  "fresh draft (its own shape, vocabulary and aux layers are kept)")
+                                  "fresh draft (its vocabulary and aux layers are kept, and its shape unless "
+                                  "intermediate_size widens it)")
     num_modules: int = Field(1, ge=1, le=8, description="MTP: >1 trains vanilla MTP (one level per module)")
     hidden_feedback: Literal["pre_norm", "post_norm"] = Field("post_norm", description="MTP: the hidden fed to "
                                                               "the next level (must match MTPConfig)")
@@ -85,8 +89,11 @@ class DraftTrainConfig(BaseModel):
             raise ValueError("steps=0 trains nothing: it needs init_from (an existing draft to calibrate or evaluate)")
         if self.calibrate_temperature and self.kind != "eagle3":
             raise ValueError("calibrate_temperature applies to EAGLE-3 heads (MTP modules share the target's lm_head)")
-        if self.init_from and (self.draft_vocab is not None or self.intermediate_size is not None):
-            raise ValueError("init_from keeps the existing draft's shape: leave draft_vocab and intermediate_size unset")
+        if self.init_from and self.draft_vocab is not None:
+            raise ValueError("init_from keeps the existing draft's vocabulary: leave draft_vocab unset")
+        if self.init_from and self.intermediate_size is not None and self.kind != "eagle3":
+            raise ValueError("init_from with intermediate_size widens an EAGLE-3 head's MLP; MTP modules keep "
+                             "their shape")
         if self.kind == "mtp" and self.draft_vocab is not None:
             raise ValueError("draft_vocab: MTP modules share the target's lm_head (full vocabulary)")
         if self.kind == "mtp" and self.num_modules > 1 and self.ttt_steps not in (1, self.num_modules):
@@ -216,6 +223,8 @@ def _build(cfg: DraftTrainConfig, model, stream: torch.Tensor, eos_token_id: int
                           cfg.hidden_feedback, cfg.tv_weight), teacher
     if cfg.init_from:
         ckpt, vocab = load_head(demo.resolve(cfg.init_from), model)
+        if cfg.intermediate_size is not None:
+            ckpt = widen_mlp(ckpt, cfg.intermediate_size, cfg.seed)
         teacher = Teacher(model, resolve_capture_layers(cfg.aux_layers, ckpt.config.aux_layer_ids, num_layers))
         return Eagle3Trainer(head_from_checkpoint(ckpt, teacher), vocab, cfg.ttt_steps, cfg.tv_weight), teacher
     aux = tuple(cfg.aux_layers or default_aux_layers(num_layers))

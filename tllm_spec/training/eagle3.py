@@ -10,6 +10,7 @@ output space), and the token embedding is the target's own, frozen and not saved
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -78,6 +79,29 @@ def load_head(path: str | Path, teacher_model: nn.Module) -> tuple[Eagle3Checkpo
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
     t2d[torch.arange(d2t.numel()) + d2t] = True
     return ckpt, DraftVocab(d2t.clone(), t2d)
+
+
+def widen_mlp(ckpt: Eagle3Checkpoint, intermediate_size: int, seed: int = 0) -> Eagle3Checkpoint:
+    """``ckpt`` with its MLP widened to ``intermediate_size`` units without changing what it computes: the new
+    gate / up rows are drawn at the scale of the existing ones, the new down-projection columns are zero (the
+    new units start silent and are trained from there)."""
+    layer = ckpt.config.llama_config
+    width = layer.intermediate_size
+    if intermediate_size < width:
+        raise ValueError(f"intermediate_size {intermediate_size}: the head's MLP has {width} units; it can be "
+                         "widened, not narrowed")
+    if intermediate_size == width:
+        return ckpt
+    generator = torch.Generator().manual_seed(seed)
+    state, extra = dict(ckpt.state_dict), intermediate_size - width
+    for name in ("gate_proj", "up_proj"):
+        weight = state[f"midlayer.mlp.{name}.weight"]
+        fresh = torch.randn(extra, weight.shape[1], generator=generator) * weight.float().std()
+        state[f"midlayer.mlp.{name}.weight"] = torch.cat([weight, fresh.to(weight.dtype)])
+    down = state["midlayer.mlp.down_proj.weight"]
+    state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], dim=1)
+    wider = LlamaConfig.from_dict({**layer.to_dict(), "intermediate_size": intermediate_size})
+    return Eagle3Checkpoint(replace(ckpt.config, llama_config=wider), state)
 
 
 def head_from_checkpoint(ckpt: Eagle3Checkpoint, teacher: Teacher) -> Eagle3DraftModel:
