@@ -1,4 +1,4 @@
-"""Generate with one-model speculative decoding; no arguments runs the embedded demo pair.
+r"""Generate with one-model speculative decoding; no arguments runs the embedded demo pair.
 
 A speculative run is followed by plain decoding of the same prompts on the same engine settings, and the two
 speeds, the speedup and the acceptance are printed (--no-baseline skips the plain run).
