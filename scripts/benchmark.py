@@ -22,11 +22,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tllm_spec.benchmark import (force_acceptance, format_profile, hf_generate_tokens_per_second, measure_bandwidth,
-                                 profile_step, run_point, sweep_draft_len, to_rows)
-from tllm_spec.parallel import local_process_device
-from tllm_spec.random_models import SHAPES, random_spec_model
+from tllm_spec.distributed.parallel import local_process_device
 from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.benchmark import (
+    force_acceptance,
+    format_profile,
+    hf_generate_tokens_per_second,
+    measure_bandwidth,
+    profile_step,
+    run_point,
+    sweep_draft_len,
+    to_rows,
+)
+from tllm_spec.tools.random_models import SHAPES, random_spec_model
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,8 +96,8 @@ def main() -> None:
         force_acceptance(plain, None)  # each captured as its first points run: forcing on or off recompiles
         force_acceptance(spec, todo[0])
         for model in (plain, spec):
-            if model.graph_runner is not None:
-                model.graph_runner.capture_all()
+            if model.runner.graph_runner is not None:
+                model.runner.graph_runner.capture_all()
         tqdm.write(f"{name}: built, compiled and captured in {time.perf_counter() - start:.1f} s")
         jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in todo]
         for batch, f, model in tqdm(jobs, desc=f"benchmark ({name})", disable=not first):

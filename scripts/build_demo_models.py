@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from tllm_spec.training.assets import unpack_command
-from tllm_spec.training.recipe import TINY_SHAPE, RecipeShape, build_demo_models, stdlib_corpus
+from tllm_spec.tools.demo_assets import unpack_command
+from tllm_spec.tools.demo_recipe import TINY_SHAPE, RecipeShape, build_demo_models, stdlib_corpus
 
 
 def main() -> None:

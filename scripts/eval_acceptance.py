@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from tllm_spec.acceptance_eval import evaluate, format_table, head_configs, heldout_texts, plot, prompt_ids
 from tllm_spec.demo import resolve
 from tllm_spec.tokenizer import load_tokenizer
+from tllm_spec.tools.acceptance_eval import evaluate, format_table, head_configs, heldout_texts, plot, prompt_ids
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from tllm_spec import RunConfig, SpecModel, load_run_config
-from tllm_spec.comparison import compare
-from tllm_spec.report import format_comparison, format_outputs
+from tllm_spec.tools.comparison import compare
+from tllm_spec.tools.report import format_comparison, format_outputs
 
 DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
 

@@ -11,8 +11,8 @@ import time
 import torch
 
 from tllm_spec import SamplingParams
-from tllm_spec.random_models import SHAPES, random_spec_model
-from tllm_spec.report import format_stats
+from tllm_spec.tools.random_models import SHAPES, random_spec_model
+from tllm_spec.tools.report import format_stats
 
 
 def main() -> None:

@@ -1,17 +1,17 @@
 """Tiny random models for the tests: built from configs, saved, loaded through the real loaders."""
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
 import shutil
 import tempfile
+from functools import cache
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from tllm_spec import Eagle3Config
-from tllm_spec.drafts.eagle3_checkpoint import save_eagle3_checkpoint
-from tllm_spec.random_models import random_head_for, save_random_target, target_config
+from tllm_spec.drafts.eagle3.checkpoint import save_eagle3_checkpoint
+from tllm_spec.tools.random_models import random_head_for, save_random_target, target_config
 
 _ROOT = Path(tempfile.mkdtemp(prefix="tllm_spec_tests_"))
 ARCH_DIALECT = {"llama": "eagle", "qwen2": "speculators", "qwen3": "angelslim", "mistral": "eagle"}

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tllm_spec import load_run_config
-from tllm_spec.drafts.mtp import save_random_mtp_weights
-from tllm_spec.random_models import save_random_head, save_random_target, target_config
+from tllm_spec.drafts.mtp.model import save_random_mtp_weights
+from tllm_spec.tools.random_models import save_random_head, save_random_target, target_config
 
 from .models import hf_greedy
 

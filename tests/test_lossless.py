@@ -96,8 +96,8 @@ def test_dense_prefill_attention_matches_paged_reference():
     """The GPU prefill path (dense causal attention per prompt) equals the paged reference on CPU."""
     import torch
 
-    from tllm_spec.attention import prefill_attention
     from tllm_spec.kernels.paged_attention import paged_attention_ref
+    from tllm_spec.model.attention import prefill_attention
 
     torch.manual_seed(0)
     lens, hq, hkv, d, page = (5, 1, 12), 4, 2, 16, 4

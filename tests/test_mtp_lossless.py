@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from tllm_spec import MTPConfig, SamplingParams
-from tllm_spec.drafts.mtp import save_random_mtp_weights
-from tllm_spec.drafts.mtp_checkpoint import LAYOUTS
-from tllm_spec.layers import DecoderLayer
-from tllm_spec.random_models import save_random_target, target_config
+from tllm_spec.drafts.mtp.checkpoint import LAYOUTS
+from tllm_spec.drafts.mtp.model import save_random_mtp_weights
+from tllm_spec.model.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.random_models import save_random_target, target_config
 
 from .models import hf_greedy
 
@@ -126,7 +126,7 @@ def test_rejection_sampling_keeps_greedy_requests_exact():
 @pytest.mark.parametrize("mode", ["vanilla2", "eagle_k3"])
 def test_rejection_sampling_two_token_distribution(mode):
     """At T = 1 the first two emitted tokens follow the target's joint distribution (chi-square)."""
-    from .test_distribution import V, exact_joint, pvalue, sample_pairs
+    from .sampling.test_distribution import V, exact_joint, pvalue, sample_pairs
 
     target = mtp_target("llama", "deepseek", vocab_size=V)
     cfg = MODES[mode].model_copy(update=dict(use_rejection_sampling=True))

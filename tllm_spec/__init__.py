@@ -1,12 +1,17 @@
 """tllm_spec: TensorRT-LLM-style one-model speculative decoding (EAGLE-3, MTP) for Hugging Face causal LMs."""
-from .config import (EngineConfig, Eagle3Config, GuidedDecodingParams, MTPConfig, RunConfig, SamplingParams,
-                     load_run_config)
-from .metadata import SpecMetadata
-from .engine import GenerationOutputs
+from .config import (
+                     Eagle3Config,
+                     EngineConfig,
+                     GuidedDecodingParams,
+                     MTPConfig,
+                     RunConfig,
+                     SamplingParams,
+                     load_run_config,
+)
+from .drafts import SpecMetadata, SpecWorkerBase
+from .engine.request import AcceptanceStats, GenerationOutputs, RequestOutput
 from .modes import SpeculativeDecodingMode
-from .request import AcceptanceStats, RequestOutput
 from .spec_model import SpecModel
-from .workers import SpecWorkerBase
 
 __all__ = [
     "AcceptanceStats",

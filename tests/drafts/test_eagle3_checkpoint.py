@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from tllm_spec.drafts.eagle3_checkpoint import (
+from tllm_spec.drafts.eagle3.checkpoint import (
     DIALECTS,
     Eagle3Checkpoint,
     load_eagle3_checkpoint,
-    random_eagle3_checkpoint,
     save_eagle3_checkpoint,
 )
+from tllm_spec.tools.random_models import random_eagle3_checkpoint
 
 VOCAB, DRAFT_VOCAB, H = 50, 20, 32
 

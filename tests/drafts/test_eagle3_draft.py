@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tllm_spec import SamplingParams
-from tllm_spec.drafts.eagle3_checkpoint import load_eagle3_checkpoint
-from tllm_spec.sampling import greedy_draft_tokens
+from tllm_spec.drafts.eagle3.checkpoint import load_eagle3_checkpoint
+from tllm_spec.sampling.sampler import greedy_draft_tokens
 from tllm_spec.spec_model import SpecModel
 
 from ..models import eagle3, hf_model, tiny_pair

@@ -6,12 +6,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tllm_spec import MTPConfig, SamplingParams
-from tllm_spec.drafts.mtp import random_mtp_modules, save_random_mtp_weights
-from tllm_spec.drafts.mtp_checkpoint import LAYOUTS, load_mtp_checkpoint, save_mtp_weights
-from tllm_spec.random_models import save_random_target, target_config
+from tllm_spec.drafts.mtp.checkpoint import LAYOUTS, load_mtp_checkpoint, save_mtp_weights
+from tllm_spec.drafts.mtp.model import random_mtp_modules, save_random_mtp_weights
+from tllm_spec.drafts.mtp.worker import build_mtp_worker
+from tllm_spec.model.target import TargetModel
 from tllm_spec.spec_model import SpecModel
-from tllm_spec.target import TargetModel
-from tllm_spec.workers.mtp import build_mtp_worker
+from tllm_spec.tools.random_models import save_random_target, target_config
 
 from ..models import hf_greedy
 

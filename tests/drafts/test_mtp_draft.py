@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tllm_spec import MTPConfig, SamplingParams
-from tllm_spec.drafts.mtp import save_random_mtp_weights
-from tllm_spec.layers import DecoderLayer
-from tllm_spec.random_models import save_random_target, target_config
+from tllm_spec.drafts.mtp.model import save_random_mtp_weights
+from tllm_spec.model.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.random_models import save_random_target, target_config
 
 from ..models import hf_greedy, hf_model
 

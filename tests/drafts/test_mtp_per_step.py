@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tllm_spec import MTPConfig, SamplingParams
-from tllm_spec.drafts.mtp import random_mtp_modules
-from tllm_spec.drafts.mtp_checkpoint import HEAD_KEY, save_mtp_weights
-from tllm_spec.random_models import save_random_target, target_config
+from tllm_spec.drafts.mtp.checkpoint import HEAD_KEY, save_mtp_weights
+from tllm_spec.drafts.mtp.model import random_mtp_modules
 from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.random_models import save_random_target, target_config
 
 from ..models import hf_greedy, hf_model
 from .test_mtp_draft import PROMPTS, reference_module, run_recorded, stock_model

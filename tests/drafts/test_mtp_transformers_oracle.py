@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tllm_spec import MTPConfig, SamplingParams
-from tllm_spec.drafts.mtp import save_random_mtp_weights
-from tllm_spec.random_models import save_random_target, target_config
+from tllm_spec.drafts.mtp.model import save_random_mtp_weights
 from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.random_models import save_random_target, target_config
 
 candidate_generator = pytest.importorskip("transformers.generation.candidate_generator")
 if not hasattr(candidate_generator, "MTPCandidateGenerator"):

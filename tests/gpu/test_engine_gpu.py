@@ -2,14 +2,16 @@
 import pytest
 import torch
 
-from tllm_spec import MTPConfig, SamplingParams, flashinfer_ops, layers
-from tllm_spec.cuda_graphs import CUDAGraphRunner, generation_step
-from tllm_spec.layers import DecoderLayer
+from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec.engine.cuda_graphs import CUDAGraphRunner, generation_step
+from tllm_spec.model import layers
+from tllm_spec.model.layers import DecoderLayer
+from tllm_spec.sampling import flashinfer_ops
 from tllm_spec.spec_model import SpecModel
 
+from ..engine.test_run_ahead import count_steps_run_ahead
 from ..models import eagle3, hf_greedy, tiny_pair
 from ..test_mtp_lossless import mtp_target
-from ..test_run_ahead import count_steps_run_ahead
 
 pytestmark = pytest.mark.cuda
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
@@ -28,7 +30,7 @@ def _model(arch, k, dtype, eager, **kw):
 def test_graphed_greedy_is_lossless_fp32(arch, k):
     target, model = _model(arch, k, torch.float32, eager=False)
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
-    assert model.graph_runner is not None and model.graph_runner.graphs, "no CUDA graph was used"
+    assert model.runner.graph_runner is not None and model.runner.graph_runner.graphs, "no CUDA graph was used"
     for p, n, out in zip(PROMPTS, MAX_NEW, outs):
         assert out.token_ids == hf_greedy(target, p, n)
 
@@ -69,7 +71,7 @@ def test_forced_acceptance_inside_graph(monkeypatch):
 def test_no_host_sync_inside_generation_step():
     _, model = _model("llama", 3, torch.float32, eager=True)
     model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))  # warm-up: JIT, allocations
-    original = model.forward
+    original = model.runner.model.forward
 
     def strict_forward(*args):
         torch.cuda.set_sync_debug_mode("error")
@@ -78,19 +80,19 @@ def test_no_host_sync_inside_generation_step():
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    model.forward = strict_forward
+    model.runner.model.forward = strict_forward
     calls = []
-    step = model.step
+    step = model.runner.step
 
     def generation_only(ids, positions, slots, drafts, params, context_lens, *draft_lens):
         calls.append(bool(context_lens))
         if context_lens:  # prefill is allowed to plan on the host
-            model.forward = original
+            model.runner.model.forward = original
         else:
-            model.forward = strict_forward
+            model.runner.model.forward = strict_forward
         return step(ids, positions, slots, drafts, params, context_lens, *draft_lens)
 
-    model.step = generation_only
+    model.runner.step = generation_only
     model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))
     assert calls.count(False) >= 3
 
@@ -111,13 +113,13 @@ def test_compiled_graphed_bf16_equals_eager(arch, monkeypatch):
     against HF generate cover that equivalence)."""
     _, fast = _model(arch, 3, torch.bfloat16, eager=False)
     _, eager = _model(arch, 3, torch.bfloat16, eager=True)
-    assert fast.compiles_step_whole and fast.graph_runner.step is not generation_step
+    assert fast.runner.compiles_step_whole and fast.runner.graph_runner.step is not generation_step
     params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
     for x, y in zip(fast.generate(PROMPTS, params), eager.generate(PROMPTS, params)):
         assert x.token_ids == y.token_ids
     monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", "2")
-    fast.refresh_forced_acceptance()  # forcing turns on: drops the graphs, keeps the compiled step
-    assert not fast.graph_runner.graphs and fast.graph_runner.step is not generation_step
+    fast.runner.refresh_forced_acceptance()  # forcing turns on: drops the graphs, keeps the compiled step
+    assert not fast.runner.graph_runner.graphs and fast.runner.graph_runner.step is not generation_step
 
 
 @pytest.mark.parametrize("spec", ["eagle3", "mtp"])
@@ -162,12 +164,12 @@ def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
         target, head = tiny_pair("llama")
         config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection}) if spec == "eagle3" else None
         model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
-    assert model.compiles_step_whole and model.graph_runner.step is not generation_step
+    assert model.runner.compiles_step_whole and model.runner.graph_runner.step is not generation_step
     for size in (1, 2, 3, 5, 8):
         model.generate(PROMPTS[:size] + PROMPTS[:max(0, size - len(PROMPTS))],
                        SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20), seed=size)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    variants = {key[1:] for key in model.graph_runner.graphs}
+    variants = {key[1:] for key in model.runner.graph_runner.graphs}
     assert 1 <= counters["stats"]["unique_graphs"] <= 2 * len(variants), dict(counters["stats"])  # batch 1, the rest
     torch._dynamo.reset()
 
@@ -175,12 +177,13 @@ def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
 def test_graphs_are_keyed_by_bucket_draft_lens_and_all_greedy():
     target, model = _model("llama", 3, torch.float32, eager=False)
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
-    assert model.graph_runner.graphs and all(key[3] for key in model.graph_runner.graphs)  # argmax graphs only
+    graphs = model.runner.graph_runner.graphs
+    assert graphs and all(key[3] for key in graphs)  # argmax graphs only
     for p, n, out in zip(PROMPTS, MAX_NEW, outs):
         assert out.token_ids == hf_greedy(target, p, n)
     mixed = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9) for i, n in enumerate(MAX_NEW)]
     outs = model.generate(PROMPTS, mixed, seed=1)
-    assert {key[3] for key in model.graph_runner.graphs} == {False, True}
+    assert {key[3] for key in model.runner.graph_runner.graphs} == {False, True}
     for i, (p, n, out) in enumerate(zip(PROMPTS, MAX_NEW, outs)):
         if i % 2:
             assert out.token_ids == hf_greedy(target, p, n)  # greedy rows exact inside the sampling graph
@@ -224,7 +227,7 @@ def test_a_graph_captured_mid_generation_leaves_the_requests_state_alone():
     config = eagle3(head, 3).model_copy(update={"draft_len_schedule": {1: 3, 2: 2, 3: 1, 4: 0},
                                                 "use_rejection_sampling": True})
     model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=4)
-    runner, real = model.graph_runner, torch.arange(5, device="cuda") != model.kv_cache.padding_slot
+    runner, real = model.runner.graph_runner, torch.arange(5, device="cuda") != model.runner.kv_cache.padding_slot
     capture, moved = runner._capture, []
 
     def checked(size, draft_len):
@@ -247,7 +250,7 @@ def test_mtp_graphed_greedy_is_lossless_fp32(vanilla):
               else MTPConfig(num_nextn_predict_layers=1, max_draft_len=3))
     model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
-    assert model.graph_runner.graphs and all(isinstance(m.block, DecoderLayer)
+    assert model.runner.graph_runner.graphs and all(isinstance(m.block, DecoderLayer)
                                              for m in model.worker.draft_model.mtp_modules)
     for p, n, out in zip(PROMPTS, MAX_NEW, outs):
         assert out.token_ids == hf_greedy(target, p, n)

@@ -9,8 +9,8 @@ from tllm_spec import SamplingParams
 from tllm_spec.config import GuidedDecodingParams
 from tllm_spec.spec_model import SpecModel
 
+from ..guided.test_guided import PROMPTS, SCHEMA
 from ..models import eagle3, tiny_guided_pair
-from ..test_guided import PROMPTS, SCHEMA
 
 pytestmark = pytest.mark.cuda
 pytest.importorskip("llguidance")
@@ -29,7 +29,7 @@ def test_graphed_guided_speculation_equals_eager_plain():
                   regex=r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"))]
     graphed = _model(eagle3(head, 3), eager=False)
     outs = graphed.generate(PROMPTS, params)
-    assert graphed.graph_runner is not None and graphed.graph_runner.graphs, "no CUDA graph was used"
+    assert graphed.runner.graph_runner is not None and graphed.runner.graph_runner.graphs, "no CUDA graph was used"
     plain = _model(None, eager=True).generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     json.loads(outs[0].text)

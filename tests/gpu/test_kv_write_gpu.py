@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tllm_spec.attention import write_and_attend
 from tllm_spec.kernels.kv_write import kv_write, kv_write_ref
+from tllm_spec.model.attention import write_and_attend
 
 pytestmark = pytest.mark.cuda
 

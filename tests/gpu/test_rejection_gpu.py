@@ -2,13 +2,14 @@
 import pytest
 import torch
 
-from tllm_spec import Eagle3Config, flashinfer_ops
-from tllm_spec.rejection import rejection_sample, rejection_sample_ref
+from tllm_spec import Eagle3Config
+from tllm_spec.sampling import flashinfer_ops
+from tllm_spec.sampling.rejection import rejection_sample, rejection_sample_ref
 from tllm_spec.spec_model import SpecModel
 
 from ..models import tiny_pair
-from ..test_distribution import exact_joint, pvalue, sample_pairs
-from ..test_rejection import P0, P1, P2, V
+from ..sampling.test_distribution import exact_joint, pvalue, sample_pairs
+from ..sampling.test_rejection import P0, P1, P2, V
 
 pytestmark = pytest.mark.cuda
 N = 40000
@@ -44,5 +45,5 @@ def test_graphed_engine_with_rejection_sampling_keeps_target_distribution():
     cfg = Eagle3Config(speculative_model=str(head), max_draft_len=3, use_rejection_sampling=True)
     model = SpecModel.from_pretrained(target, cfg, device="cuda", dtype=torch.float32, max_batch_size=64)
     counts, _ = sample_pairs(model, 1.0, seed=3)
-    assert model.graph_runner.graphs
+    assert model.runner.graph_runner.graphs
     assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3

@@ -28,7 +28,7 @@ def test_seeded_request_same_tokens_in_graphs_whatever_the_batch(rejection):
     alone = model.generate([PROMPTS[0]], [MINE], seed=0)[0].token_ids
     crowd = model.generate([*PROMPTS[1:], PROMPTS[0]], [*OTHERS, MINE], seed=3)[-1].token_ids  # bucket 8
     middle = model.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [OTHERS[0], MINE, OTHERS[1]], seed=9)[1].token_ids
-    assert any(key[4] for key in model.graph_runner.graphs), "no graph with per-request streams was captured"
+    assert any(key[4] for key in model.runner.graph_runner.graphs), "no graph with per-request streams was captured"
     assert len(alone) == 24
     assert crowd == alone and middle == alone
     eager = _model(rejection, eager=True).generate([PROMPTS[0]], [MINE], seed=4)[0].token_ids
@@ -36,7 +36,7 @@ def test_seeded_request_same_tokens_in_graphs_whatever_the_batch(rejection):
 
 
 def test_seeded_rows_bypass_flashinfer(monkeypatch):
-    from tllm_spec import sampling
+    from tllm_spec.sampling import sampler as sampling
 
     def refuse(*args, **kwargs):
         raise AssertionError("a step with request seeds reached the FlashInfer sampler")

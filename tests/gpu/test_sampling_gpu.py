@@ -3,7 +3,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from tllm_spec import flashinfer_ops, sampling
+from tllm_spec.sampling import flashinfer_ops
+from tllm_spec.sampling import sampler as sampling
 
 pytestmark = pytest.mark.cuda
 V = 32

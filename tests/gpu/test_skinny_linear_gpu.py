@@ -6,9 +6,15 @@ import torch.nn.functional as F
 from tllm_spec.kernels import dependent_launch
 from tllm_spec.kernels.paged_attention import paged_attention
 from tllm_spec.kernels.rms_norm import rms_norm
-from tllm_spec.kernels.skinny_linear import (MAX_ROWS, skinny_linear, skinny_linear_op, skinny_linear_ref, supports,
-                                            tile_config)
-from tllm_spec.rotary import apply_rotary
+from tllm_spec.kernels.skinny_linear import (
+    MAX_ROWS,
+    skinny_linear,
+    skinny_linear_op,
+    skinny_linear_ref,
+    supports,
+    tile_config,
+)
+from tllm_spec.model.rotary import apply_rotary
 
 pytestmark = pytest.mark.cuda
 

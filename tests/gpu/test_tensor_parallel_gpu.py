@@ -10,8 +10,8 @@ import torch
 from tllm_spec import SamplingParams
 from tllm_spec.spec_model import SpecModel
 
+from ..distributed.test_tensor_parallel import MAX_NEW, PROMPTS, WORLD_SIZE, run_ranks, tiny_tp_pair
 from ..models import eagle3, hf_greedy
-from ..test_tensor_parallel import MAX_NEW, PROMPTS, WORLD_SIZE, run_ranks, tiny_tp_pair
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE,
                                                     reason=f"needs {WORLD_SIZE} GPUs")]
@@ -22,7 +22,7 @@ def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_s
     model = SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=4,
                                       tensor_parallel_size=tensor_parallel_size)
     outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
-    return {"tokens": [o.token_ids for o in outs], "graphs": len(model.graph_runner.graphs)}
+    return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

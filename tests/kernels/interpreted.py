@@ -11,7 +11,7 @@ from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import paged_attention as attention_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
 from tllm_spec.kernels import skinny_linear as skinny_module
-from tllm_spec.rotary import apply_rotary
+from tllm_spec.model.rotary import apply_rotary
 
 kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for CPU tensors
 
@@ -117,8 +117,8 @@ def _engine_cases() -> None:
     from pathlib import Path
 
     from tllm_spec import MTPConfig, SamplingParams, SpecModel
-    from tllm_spec.drafts.mtp import save_random_mtp_weights
-    from tllm_spec.random_models import save_random_target, target_config
+    from tllm_spec.drafts.mtp.model import save_random_mtp_weights
+    from tllm_spec.tools.random_models import save_random_target, target_config
 
     from ..models import eagle3, hf_greedy, tiny_pair
 

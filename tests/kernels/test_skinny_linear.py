@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tllm_spec.kernels.skinny_linear import skinny_linear_op
-from tllm_spec.layers import linear
+from tllm_spec.model.layers import linear
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from tllm_spec.random_models import save_random_target, target_config
+from tllm_spec.tools.random_models import save_random_target, target_config
 from tllm_spec.training import DraftTrainConfig, train_draft
 from tllm_spec.training.data import read_documents
 from tllm_spec.training.tokenizer import save_tokenizer, train_bpe_tokenizer

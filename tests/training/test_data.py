@@ -4,8 +4,14 @@ import json
 import pytest
 import torch
 
-from tllm_spec.training.data import (eval_windows, expand_paths, read_documents, sample_windows, split_heldout,
-                                     tokenize_documents)
+from tllm_spec.training.data import (
+    eval_windows,
+    expand_paths,
+    read_documents,
+    sample_windows,
+    split_heldout,
+    tokenize_documents,
+)
 
 
 def test_every_tenth_file_is_held_out(tmp_path):

@@ -6,9 +6,9 @@ from functools import cache
 import pytest
 
 from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel
-from tllm_spec.acceptance_eval import acceptance, heldout_texts, prompt_ids
 from tllm_spec.demo import ASSETS, is_trained
-from tllm_spec.training.assets import MAX_BYTES, MAX_FILE_BYTES
+from tllm_spec.tools.acceptance_eval import acceptance, heldout_texts, prompt_ids
+from tllm_spec.tools.demo_assets import MAX_BYTES, MAX_FILE_BYTES
 
 from ..models import hf_greedy
 

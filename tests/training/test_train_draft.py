@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel
-from tllm_spec.drafts.eagle3 import resolve_capture_layers
-from tllm_spec.drafts.eagle3_checkpoint import load_eagle3_checkpoint
+from tllm_spec.drafts.eagle3.checkpoint import load_eagle3_checkpoint
+from tllm_spec.drafts.eagle3.model import resolve_capture_layers
 from tllm_spec.training import train_draft
 from tllm_spec.training.draft import SUMMARY_FILE
 from tllm_spec.training.eagle3 import _stored_aux_ids

@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tllm_spec.attention import AttentionMetadata
-from tllm_spec.drafts.eagle3 import Eagle3DraftModel
-from tllm_spec.drafts.eagle3_checkpoint import load_eagle3_checkpoint
-from tllm_spec.drafts.mtp import MTPDraftModel
-from tllm_spec.drafts.mtp_checkpoint import MTPCheckpoint
-from tllm_spec.kv_cache import KVCache
-from tllm_spec.random_models import TINY
-from tllm_spec.target import TargetModel
+from tllm_spec.drafts.eagle3.checkpoint import load_eagle3_checkpoint
+from tllm_spec.drafts.eagle3.model import Eagle3DraftModel
+from tllm_spec.drafts.mtp.checkpoint import MTPCheckpoint
+from tllm_spec.drafts.mtp.model import MTPDraftModel
+from tllm_spec.model.attention import AttentionMetadata
+from tllm_spec.model.kv_cache import KVCache
+from tllm_spec.model.target import TargetModel
+from tllm_spec.tools.random_models import TINY
 from tllm_spec.training.eagle3 import Eagle3Trainer
 from tllm_spec.training.mtp import MTPTrainer, init_mtp_modules
 from tllm_spec.training.teacher import Teacher

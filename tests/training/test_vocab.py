@@ -2,8 +2,8 @@
 import torch
 from safetensors.torch import load_file
 
-from tllm_spec.drafts.eagle3_checkpoint import Eagle3Checkpoint, load_eagle3_checkpoint, save_eagle3_checkpoint
-from tllm_spec.random_models import random_eagle3_checkpoint
+from tllm_spec.drafts.eagle3.checkpoint import Eagle3Checkpoint, load_eagle3_checkpoint, save_eagle3_checkpoint
+from tllm_spec.tools.random_models import random_eagle3_checkpoint
 from tllm_spec.training.vocab import build_draft_vocab, draft_to_target, target_to_draft, token_counts
 
 

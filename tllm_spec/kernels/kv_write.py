@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl

@@ -10,6 +10,7 @@ import torch
 
 from .. import kernels
 from . import dependent_launch
+
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..model.rotary import apply_rotary
 from . import dependent_launch
-from ..rotary import apply_rotary
+
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl

@@ -12,15 +12,31 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoModelForCausalLM
 
 from .. import demo
-from ..drafts.eagle3 import resolve_capture_layers
-from ..drafts.eagle3_checkpoint import save_eagle3_checkpoint
-from ..drafts.mtp_checkpoint import load_mtp_checkpoint, save_mtp_weights
+from ..drafts.eagle3.checkpoint import save_eagle3_checkpoint
+from ..drafts.eagle3.model import resolve_capture_layers
+from ..drafts.mtp.checkpoint import load_mtp_checkpoint, save_mtp_weights
 from ..tokenizer import load_tokenizer
-from .data import HELDOUT_EVERY, TEXT_SUFFIXES, eval_windows, expand_paths, read_documents, sample_rows, \
-    sample_windows, split_heldout, tokenize_documents
-from .eagle3 import Eagle3Trainer, default_aux_layers, head_config, head_from_checkpoint, init_head, load_head, \
-    widen_mlp
 from .calibration import calibrate_temperature
+from .data import (
+    HELDOUT_EVERY,
+    TEXT_SUFFIXES,
+    eval_windows,
+    expand_paths,
+    read_documents,
+    sample_rows,
+    sample_windows,
+    split_heldout,
+    tokenize_documents,
+)
+from .eagle3 import (
+    Eagle3Trainer,
+    default_aux_layers,
+    head_config,
+    head_from_checkpoint,
+    init_head,
+    load_head,
+    widen_mlp,
+)
 from .loop import LoopConfig, LoopResult, autocast, run_loop
 from .mtp import MTPTrainer, init_mtp_modules
 from .rollout import generate_rollouts

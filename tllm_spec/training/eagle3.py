@@ -18,8 +18,8 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..drafts.eagle3 import Eagle3DraftModel
-from ..drafts.eagle3_checkpoint import Eagle3Checkpoint, Eagle3HeadConfig, load_eagle3_checkpoint
+from ..drafts.eagle3.checkpoint import Eagle3Checkpoint, Eagle3HeadConfig, load_eagle3_checkpoint
+from ..drafts.eagle3.model import Eagle3DraftModel
 from .teacher import Teacher, TeacherOutputs, distill_level, level_weights, shift_ids
 from .ttt import TTTCache
 from .vocab import DraftVocab

@@ -19,7 +19,7 @@ import copy
 import torch
 from torch import nn
 
-from ..drafts.mtp import MTPModule, check_dense_block, check_dense_target
+from ..drafts.mtp.model import MTPModule, check_dense_block, check_dense_target
 from .teacher import Teacher, TeacherOutputs, distill_level, level_weights, shift_ids
 from .ttt import TTT_ATTN_IMPLEMENTATION, TTTCache
 

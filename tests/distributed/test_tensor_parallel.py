@@ -1,0 +1,227 @@
+"""Tensor parallelism on the CPU: gloo at world size 2 in spawned processes, tiny fp32 targets saved with
+save_pretrained and loaded shard by shard through the real loader, an EAGLE-3 head replicated on each rank."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import traceback
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from pydantic import ValidationError
+
+from tllm_spec import EngineConfig, MTPConfig, SamplingParams
+from tllm_spec.distributed.parallel import TensorParallel, check_shardable
+from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.random_models import save_random_head, save_random_target, target_config
+
+from ..models import eagle3, hf_greedy
+
+WORLD_SIZE = 2
+TIMEOUT_S = 240  # a rank that hangs in a collective fails the test instead of the suite
+PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+MAX_NEW = [14, 9, 17]
+# llama: 2 KV heads split over 2 ranks, q/k/v/o and MLP biases (row-parallel biases added once), untied head;
+# qwen3: 1 KV head replicated on both ranks, q/k norms, tied embedding; both: vocab 97 (lm_head rows padded).
+TARGETS = {"llama": dict(attention_bias=True, mlp_bias=True),
+           "qwen3": dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=True)}
+
+
+@cache
+def tiny_tp_pair(arch: str, **overrides) -> tuple[Path, Path]:
+    root = Path(tempfile.mkdtemp(prefix=f"tllm_spec_tp_{arch}_"))
+    cfg = target_config(arch, **{**TARGETS.get(arch, {}), **overrides})
+    return save_random_target(root / "target", cfg, seed=3), save_random_head(root / "head", cfg, seed=4)
+
+
+def run_ranks(fn, *args, backend: str = "gloo") -> list:
+    """``fn(*args)`` on every rank of a ``backend`` world of WORLD_SIZE spawned processes (nccl: one GPU each);
+    returns each rank's result (an exception as ("error", text)). Fails when a rank does not answer within
+    TIMEOUT_S."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = tempfile.mktemp(prefix="tllm_spec_tp_init_")
+    procs = [ctx.Process(target=_rank_main, args=(rank, init_file, backend, fn, args, results))
+             for rank in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    answers = {}
+    try:
+        for _ in procs:
+            rank, answer = results.get(timeout=TIMEOUT_S)
+            answers[rank] = answer
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(WORLD_SIZE)) - set(answers))} hung for {TIMEOUT_S} s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [answers[r] for r in range(WORLD_SIZE)]
+
+
+def _rank_main(rank: int, init_file: str, backend: str, fn, args: tuple, results) -> None:
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: the GPU of this rank
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        answer = fn(*args)
+    except Exception as err:  # noqa: BLE001 - reported to the test process
+        answer = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+    results.put((rank, answer))
+    dist.destroy_process_group()
+
+
+def _generate_tp2(target: str, head: str) -> dict[str, list[list[int]]]:
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    out = {}
+    for name, spec in (("eagle3", eagle3(Path(head), 3)), ("plain", None)):
+        model = SpecModel.from_pretrained(target, spec, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+        assert model.target.fused is not None and model.target.parallel.size == WORLD_SIZE
+        out[name] = [o.token_ids for o in model.generate(PROMPTS, params)]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
+    target, head = tiny_tp_pair(arch)
+    ranks = run_ranks(_generate_tp2, str(target), str(head))
+    for answer in ranks:
+        assert not (isinstance(answer, tuple) and answer[0] == "error"), answer[1]
+    assert ranks[0] == ranks[1]  # lockstep: the same tokens on every rank
+    tp1 = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=2)
+    tp1_tokens = [o.token_ids for o in tp1.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])]
+    hf = [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    assert tp1_tokens == hf
+    assert ranks[0]["eagle3"] == hf
+    assert ranks[0]["plain"] == hf
+
+
+def _bad_configurations(three_heads: str, target: str, head: str) -> list[str]:
+    errors = []
+    attempts = [lambda: SpecModel.from_pretrained(target, eagle3(Path(head), 3), tensor_parallel_size=3),
+                lambda: SpecModel.from_pretrained(three_heads, None, tensor_parallel_size=WORLD_SIZE),
+                lambda: SpecModel.from_pretrained(target, MTPConfig(), tensor_parallel_size=WORLD_SIZE)]
+    for attempt in attempts:
+        try:
+            attempt()
+            errors.append("no error")
+        except ValueError as err:
+            errors.append(str(err))
+    dist.barrier()  # every rank is still responsive after the errors
+    return errors
+
+
+def test_bad_configurations_fail_on_every_rank_without_hanging():
+    three_heads, _ = tiny_tp_pair("llama", hidden_size=96, num_attention_heads=3, num_key_value_heads=3)
+    target, head = tiny_tp_pair("llama")
+    ranks = run_ranks(_bad_configurations, str(three_heads), str(target), str(head))
+    for errors in ranks:
+        assert isinstance(errors, list), errors
+        assert "tensor_parallel_size=3 but the torch.distributed world has 2 ranks" in errors[0]
+        assert "3 attention heads are not divisible by 2" in errors[1]
+        assert "MTP with tensor_parallel_size > 1 is not supported" in errors[2]
+
+
+def test_tensor_parallel_without_torchrun_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    target, head = tiny_tp_pair("llama")
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        SpecModel.from_pretrained(target, eagle3(head, 3), tensor_parallel_size=2)
+
+
+def test_world_size_without_tensor_parallel_size_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    target, _ = tiny_tp_pair("llama")
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 but this process was started with WORLD_SIZE=2"):
+        SpecModel.from_pretrained(target, None)
+
+
+def test_tensor_parallel_needs_the_fused_layers():
+    with pytest.raises(ValidationError, match="use_fused_layers"):
+        EngineConfig(tensor_parallel_size=2, use_fused_layers=False)
+
+
+@pytest.mark.parametrize("kv_heads,size,expected", [(8, 2, [(0, 4), (4, 8)]), (2, 4, [(0, 1), (0, 1), (1, 2), (1, 2)]),
+                                                    (1, 2, [(0, 1), (0, 1)])])
+def test_kv_heads_split_or_replicated(kv_heads, size, expected):
+    assert [TensorParallel(r, size, "g").kv_heads(kv_heads) for r in range(size)] == expected
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_attention_heads=6, num_key_value_heads=6), "6 attention heads"),
+    (dict(num_key_value_heads=3, num_attention_heads=12), "3 KV heads"),
+    (dict(intermediate_size=130), "intermediate_size 130")])
+def test_check_shardable_names_the_problem(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_shardable(target_config("llama", **{"hidden_size": 96, **overrides}), 4)
+
+
+def test_check_shardable_accepts_a_fitting_target():
+    check_shardable(target_config("llama"), 2)
+
+
+def test_torchrun_generate_script_tp2(tmp_path):
+    """The documented launch: torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel-size 2, on a
+    checkpoint saved as several safetensors files (index), strings through the tokenizer; rank 0 reports."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    target, head = tiny_tp_pair("llama")
+    sharded = tmp_path / "target"
+    AutoModelForCausalLM.from_pretrained(target).save_pretrained(sharded, max_shard_size="200KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(sharded)
+    out = tmp_path / "out.json"
+    script = Path(__file__).parents[2] / "scripts" / "generate.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           "--tensor-parallel-size", "2", "--target", str(sharded), "--draft", str(head), "--device", "cpu",
+           "--dtype", "float32", "--prompt", "w5 w17 w3", "--max-new-tokens", "6", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["engine"]["tensor_parallel_size"] == 2
+    assert data["outputs"][0]["token_ids"] == hf_greedy(target, [5, 17, 3], 6)
+    assert done.stdout.count("w5 w17 w3") == 1  # printed by rank 0 only
+
+
+def _random_tp2_model(workdir: str) -> dict:
+    from tllm_spec.tools.benchmark import step_bytes
+    from tllm_spec.tools.random_models import random_spec_model
+    model = random_spec_model("tiny", "eagle3", 3, workdir, torch.float32, "cpu", max_batch_size=2,
+                              tensor_parallel_size=WORLD_SIZE)
+    outs = model.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    layer = model.target.hf.model.layers[0]
+    plain = SpecModel.from_target(model.target, None, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+    return {"tokens": [o.token_ids for o in outs], "embed": model.target.embed(torch.arange(5)).sum().item(),
+            "q_proj": layer.self_attn.q_proj.weight.sum().item(), "q_rows": layer.self_attn.q_proj.out_features,
+            "bytes": step_bytes(plain, 2, 10)}
+
+
+def test_random_sharded_target_for_benchmarks(tmp_path):
+    """benchmark.py's random targets at TP2: whole tensors equal on both ranks, shards their own, half the rows,
+    and a per-GPU roofline that counts only this rank's bytes (about half of the target's)."""
+    ranks = run_ranks(_random_tp2_model, str(tmp_path))
+    for answer in ranks:
+        assert isinstance(answer, dict), answer
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] and all(len(t) == 6 for t in ranks[0]["tokens"])
+    assert ranks[0]["embed"] == ranks[1]["embed"] and ranks[0]["q_proj"] != ranks[1]["q_proj"]
+    assert ranks[0]["q_rows"] == 64 // WORLD_SIZE
+    from tllm_spec.tools.benchmark import step_bytes
+    from tllm_spec.tools.random_models import random_spec_model
+    tp1 = random_spec_model("tiny", "none", 0, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    assert 0.45 * step_bytes(tp1, 2, 10) < ranks[0]["bytes"] < 0.55 * step_bytes(tp1, 2, 10)

@@ -1,0 +1,66 @@
+"""A draft that proposes the target's own continuation is accepted K of K; forcing changes counts only."""
+import pytest
+import torch
+
+from tllm_spec import SamplingParams
+from tllm_spec.drafts.eagle3.worker import Eagle3OneModelWorker
+from tllm_spec.sampling.forcing import ENV_VAR
+from tllm_spec.spec_model import SpecModel
+
+from ..models import eagle3, hf_greedy, tiny_pair
+
+PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5]]
+MAX_NEW = [15, 11, 13]
+
+
+class OracleWorker(Eagle3OneModelWorker):
+    """Test double: proposes the recorded target continuation of the request in each KV slot."""
+
+    def __init__(self, k, draft_model, sequences):
+        super().__init__(k, draft_model, use_flashinfer=False)
+        self.sequences = sequences  # slot -> prompt + reference continuation
+
+    def draft(self, input_ids, target_tokens, target_features, num_accepted, attn, spec_metadata):
+        last = spec_metadata.gather_ids[spec_metadata.first_rows() + num_accepted - 1]
+        rows = []
+        for slot, pos in zip(attn.token_slots[last].tolist(), attn.positions[last].tolist()):
+            seq = self.sequences[slot]  # token at position pos+1 is the last accepted; drafts follow it
+            rows.append(seq[pos + 2:pos + 2 + spec_metadata.next_draft_len])
+        return torch.tensor(rows, dtype=torch.int64).view(len(rows), spec_metadata.next_draft_len)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_drafts_accepted_every_step(monkeypatch, k):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    target, head = tiny_pair("llama")
+    refs = [hf_greedy(target, p, n + 2 * k + 2) for p, n in zip(PROMPTS, MAX_NEW)]
+    model = SpecModel.from_pretrained(target, eagle3(head, k), max_batch_size=3)
+    sequences = {i: p + r for i, (p, r) in enumerate(zip(PROMPTS, refs))}
+    model.runner.model.worker = OracleWorker(k, model.worker.draft_model, sequences)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    for out, ref, n in zip(outs, refs, MAX_NEW):
+        assert out.token_ids == ref[:n]
+        assert out.stats.num_steps == -(-(n - 1) // (k + 1))  # 1 context token, then K+1 per step
+        assert out.stats.histogram == [0] * k + [out.stats.num_steps]
+        assert out.stats.acceptance_rate_per_position == [1.0] * k
+
+
+@pytest.mark.parametrize("value,allowed", [("1", {2}), ("3", {4}), ("9", {4}), ("0", {1}), ("1.5", {2, 3})])
+def test_forced_acceptance_sets_counts(monkeypatch, value, allowed):
+    monkeypatch.setenv(ENV_VAR, value)
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=3)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    per_step = [n for out in outs for n in out.stats.accepted_per_step]
+    assert set(per_step) == allowed
+    assert [len(o.token_ids) for o in outs] == MAX_NEW
+
+
+def test_fractional_forcing_draws_anew_every_step_of_a_greedy_request(monkeypatch):
+    # one greedy request samples nothing else: the lottery alone must move the stream between steps
+    monkeypatch.setenv(ENV_VAR, "1.5")
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=1)
+    per_step = model.generate([PROMPTS[0]], SamplingParams(max_new_tokens=120))[0].stats.accepted_per_step
+    assert set(per_step) == {2, 3}
+    assert 0.25 < per_step.count(3) / len(per_step) < 0.75  # ~48 Bernoulli(0.5) draws

@@ -1,0 +1,80 @@
+"""Acceptance evaluation on the tiny trained pair: statistics per head and temperature, speed, table, plot, CLI."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tllm_spec.tokenizer import load_tokenizer
+from tllm_spec.tools.acceptance_eval import evaluate, format_table, head_configs, plot, prompt_ids, ratio_standard_error
+
+from ..training.helpers import corpus, tiny_target, trained
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "eval_acceptance.py"
+
+
+def heldout_json(path: Path) -> Path:
+    texts = [f.read_text()[:400] for f in sorted(corpus().glob("*.py"))[:3]] + ["short"]
+    path.write_text(json.dumps({"prompts": [{"file": str(i), "text": t} for i, t in enumerate(texts)]}))
+    return path
+
+
+def test_prompts_are_the_first_tokens_of_long_enough_texts():
+    tokenizer = load_tokenizer(tiny_target())
+    prompts = prompt_ids(tokenizer, ["short", "def f(x):\n    return x + 1\n" * 4], 2, 12)
+    assert len(prompts) == 1 and len(prompts[0]) == 12
+    assert tokenizer.decode(prompts[0]).startswith("def f(x):")
+    with pytest.raises(ValueError, match="12 tokens"):
+        prompt_ids(tokenizer, ["short"], 2, 12)
+
+
+def test_standard_error_of_the_mean_accepted_length():
+    # two prompts of 2 steps: 6 and 2 tokens; ratio 2, residuals 2 and -2: sqrt(2 * 8) / 4 = 1
+    assert ratio_standard_error([(6, 2), (2, 2)]) == 1.0
+    assert ratio_standard_error([(6, 2), (6, 2), (6, 2)]) == 0.0  # every prompt alike
+    assert ratio_standard_error([(6, 2)]) == 0.0
+    # unequal lengths: the delta method's value, against 20000 bootstrap resamples of the prompts
+    per_prompt = [(9, 3), (4, 4), (30, 10), (7, 2), (12, 6), (5, 5)]
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.tensor(per_prompt, dtype=torch.float64)[torch.randint(0, 6, (20000, 6), generator=g)]
+    boot = pairs[..., 0].sum(1) / pairs[..., 1].sum(1)
+    assert abs(ratio_standard_error(per_prompt) - boot.std().item()) < 0.15 * boot.std().item()
+
+
+def test_evaluate_reports_every_head_and_temperature(tmp_path):
+    heads = head_configs(str(trained("eagle3").out), str(trained("mtp").out), k=3)
+    prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40, 41, 42, 3, 4]]
+    result = evaluate(str(tiny_target()), heads, prompts, max_new_tokens=10, speed_prompts=1, repeats=1,
+                      progress=False)
+    for name in ("eagle3", "mtp"):
+        for key in ("T=0", "T=1"):
+            stats = result["heads"][name][key]
+            assert stats["num_tokens"] == 20 and sum(stats["histogram"]) == stats["steps"]
+            assert 1.0 <= stats["mean_accepted_length"] <= 4.0 and len(stats["acceptance_rate_per_position"]) == 3
+            assert stats["mean_accepted_length_se"] >= 0
+        assert result["speed"][name]["speedup"] > 0
+    assert result["speed"]["plain"]["tokens_per_s"] > 0
+    table = format_table(result)
+    assert table.count("\n") == 6 and "| eagle3 | 0 |" in table and "| mtp | 1 |" in table
+    path = plot(result, tmp_path / "a.png")
+    if importlib.util.find_spec("matplotlib"):
+        assert path.is_file() and path.stat().st_size > 1000
+    else:
+        assert path is None
+
+
+def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("eval_acceptance", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "eval"
+    monkeypatch.setattr(sys, "argv", [
+        "eval_acceptance.py", "--target", str(tiny_target()), "--eagle3", str(trained("eagle3").out), "--mtp", "none",
+        "--prompts-from", str(heldout_json(tmp_path / "heldout.json")), "--num-prompts", "2", "--prompt-tokens", "16",
+        "--max-new-tokens", "6", "--speed-prompts", "1", "--repeats", "1", "--temperatures", "0", "--out", str(out)])
+    script.main()
+    result = json.loads((out / "acceptance.json").read_text())
+    assert set(result["heads"]) == {"eagle3"} and result["num_prompts"] == 2 and result["prompt_tokens"] == 16
+    assert (out / "acceptance.md").read_text().startswith("| head |")

@@ -1,0 +1,104 @@
+"""Eagle3OneModelWorker: verify the last drafts, accept, and draft K new tokens with the EAGLE-3 head."""
+from __future__ import annotations
+
+import torch
+
+from ...config import Eagle3Config
+from ...model.attention import AttentionMetadata
+from ...model.target import TargetModel
+from ..base import SpecWorkerBase
+from ..metadata import SpecMetadata
+from .checkpoint import load_eagle3_checkpoint
+from .model import Eagle3DraftModel, resolve_capture_layers
+
+
+class Eagle3OneModelWorker(SpecWorkerBase):
+    """The EAGLE-3 part of the one-model step.
+
+    Worked trace, prompt ``A B C D`` then K = 3:
+
+    * step 1 (context): the target sees ``A B C D`` at positions 0-3 and samples ``E`` after ``D``. The
+      draft's first pass sees the target features of positions 0-3 paired with the *next* tokens
+      ``B C D E`` and proposes ``e1`` from the row of ``D``; two more one-token passes (positions 4, 5)
+      propose ``e2 e3``. Output: new_tokens ``[E]``, next_new_tokens ``[E e1 e2 e3]``.
+    * step 2 (generation): the target sees ``E e1 e2 e3`` at positions 4-7 and samples ``t0 t1 t2 t3``.
+      Say ``e1 == t0`` and ``e2 != t1``: accepted ``[t0 t1]`` (n = 2; ``t1`` is the correction). Target KV
+      of positions 4-5 (``E e1``) is kept; 6-7 are rewound by the engine (a length change). The draft's
+      first pass sees positions 4-7 paired with ``t0 t1 t2 t3``; only rows 4-5 are valid and the next
+      draft comes from row 5 (n - 1); its one-token passes write draft KV at positions 6, 7, which the
+      next step's first pass overwrites.
+    """
+
+    def __init__(self, max_draft_len: int, draft_model: Eagle3DraftModel, use_flashinfer: bool = True,
+                 use_rejection_sampling: bool = False):
+        super().__init__(max_draft_len, use_flashinfer, use_rejection_sampling)
+        self.draft_model = draft_model
+
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        return [self.draft_model.kv_shape]
+
+    def fuse(self, max_positions: int) -> None:
+        self.draft_model.fuse(max_positions)
+
+    def compile(self) -> None:
+        self.draft_model.compile()
+
+    def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
+                draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
+                ) -> dict[str, torch.Tensor]:
+        """input_ids [T]; target_logits [R, V]; target_features [T, 3H_t] (aux hidden states);
+        draft_tokens [G, k] being verified. Returns the TensorRT-LLM output dict."""
+        num_contexts = spec_metadata.num_context_requests
+        self._execute_guided_decoder_if_present(target_logits)
+        target_tokens = self.sample_target(target_logits, spec_metadata)
+        first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
+        new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
+                                                      target_logits, attn.token_slots[first_tokens])
+        self._add_guided_draft_batch_if_present(num_accepted)
+        next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, num_contexts), target_features,
+                                       num_accepted, attn, spec_metadata)
+        return {
+            "new_tokens": new_tokens,
+            "new_tokens_lens": num_accepted,
+            "next_draft_tokens": next_draft_tokens,
+            "next_new_tokens": self._prepare_next_new_tokens(new_tokens, num_accepted, next_draft_tokens),
+        }
+
+    def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
+              num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
+        """k' = next_draft_len draft passes: one over every token of the step, then one token per request.
+        With k' = 0 the first pass still runs: it writes the draft's KV at the step's positions, which later
+        steps attend.
+
+        row_tokens [R]: the emitted token after each sampling row. Returns [B, k'] int64."""
+        gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
+        draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
+        hidden = self.draft_model(draft_ids, target_features, attn)
+        last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
+        if spec_metadata.next_draft_len == 0:
+            return last.new_zeros(last.shape[0], 0)
+        hidden, positions, slots = hidden[last], attn.positions[last], attn.token_slots[last]
+        drafts = [self._propose(hidden, 0, slots, spec_metadata)]
+        for step in range(1, spec_metadata.next_draft_len):
+            positions = positions + 1
+            hidden = self.draft_model(drafts[-1], hidden, attn.for_tokens(slots, positions))
+            drafts.append(self._propose(hidden, step, slots, spec_metadata))
+        return torch.stack(drafts, dim=1)
+
+    def _propose(self, hidden: torch.Tensor, step: int, slots: torch.Tensor, spec_metadata: SpecMetadata
+                 ) -> torch.Tensor:
+        logits = self.draft_model.compute_logits(hidden)
+        return self.draft_tokens_from_logits(logits, self.draft_model.vocab_offsets, step, slots, spec_metadata)
+
+
+def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: int) -> Eagle3OneModelWorker:
+    """The worker for ``cfg``: the head from ``cfg.speculative_model``, fed the target layers it was trained on
+    (which this call makes the target capture). ``max_batch_size`` is unused: the head keeps no per-request
+    state beyond the KV cache (the same signature as the MTP build function)."""
+    ckpt = load_eagle3_checkpoint(cfg.speculative_model, target_hidden_size=target.hidden_size,
+                                  target_vocab_size=target.vocab_size)
+    target.capture_layers(resolve_capture_layers(cfg.eagle3_layers_to_capture, ckpt.config.aux_layer_ids,
+                                                 target.num_layers))
+    dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
+    draft = Eagle3DraftModel.from_checkpoint(ckpt, target.num_layers, target.decoder.embed_tokens, dtype, device)
+    return Eagle3OneModelWorker(cfg.max_draft_len, draft, use_rejection_sampling=cfg.use_rejection_sampling)

@@ -1,0 +1,1 @@
+"""MTP modules: their model, checkpoint layouts, one-model workers and relaxed acceptance."""

@@ -1,0 +1,96 @@
+"""Loading: a target directory and a spec config -> a :class:`ModelRunner` (device, dtype, tensor-parallel
+group, the draft kind's worker). ``demo://`` addresses are resolved here, once, where the user's input enters."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .. import demo
+from ..config import Eagle3Config, EngineConfig, MTPConfig
+from ..distributed.parallel import TensorParallel, local_process_device
+from ..drafts.base import SpecWorkerBase
+from ..drafts.eagle3.worker import build_eagle3_worker
+from ..drafts.mtp.worker import build_mtp_worker
+from ..drafts.plain import PlainWorker
+from ..model.target import TargetModel
+from ..modes import SpeculativeDecodingMode
+from ..tokenizer import load_tokenizer
+from .runner import ModelRunner
+
+SpecConfig = Eagle3Config | MTPConfig
+# one build function per draft kind, the same shape for each: (target, config, max_batch_size) -> worker
+WORKER_BUILDERS: dict[type, Callable[[TargetModel, SpecConfig, int], SpecWorkerBase]] = {
+    Eagle3Config: build_eagle3_worker, MTPConfig: build_mtp_worker}
+
+
+def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: torch.dtype | str | None,
+                device: torch.device | str | None, engine_config: EngineConfig) -> ModelRunner:
+    """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft. With
+    ``tensor_parallel_size=N`` every one of the N ranks (``torchrun --nproc-per-node N``) makes this call and
+    loads its shard of the target and a whole copy of the draft."""
+    device = resolve_device(device)
+    parallel = _tensor_parallel(engine_config, spec_config, device)
+    device = local_process_device(device) if parallel else device
+    target_dir = demo.resolve(target_dir)
+    target = TargetModel.load(target_dir, resolve_dtype(dtype, device), device, parallel)
+    return runner_for_target(target, spec_config, engine_config, load_tokenizer(target_dir))
+
+
+def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engine_config: EngineConfig,
+                      tokenizer=None) -> ModelRunner:
+    """Wrap an already loaded (or randomly initialised) target and load the draft for it."""
+    tp_size = target.parallel.size if target.parallel else 1
+    if engine_config.tensor_parallel_size != tp_size:
+        raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but the target is split "
+                         f"over {tp_size} ranks")
+    if tp_size > 1:
+        _check_tp_spec(spec_config)
+    if spec_config is None:
+        return ModelRunner(target, PlainWorker(), SpeculativeDecodingMode.NONE, engine_config, tokenizer)
+    spec_config = resolve_demo_paths(spec_config)
+    worker = WORKER_BUILDERS[type(spec_config)](target, spec_config, engine_config.max_batch_size)
+    return ModelRunner(target, worker, spec_config.spec_dec_mode, engine_config, tokenizer,
+                       spec_config.draft_len_schedule)
+
+
+def resolve_demo_paths(spec_config: SpecConfig) -> SpecConfig:
+    """The config with its ``demo://`` checkpoint addresses replaced by the shipped directories."""
+    field = "speculative_model" if isinstance(spec_config, Eagle3Config) else "mtp_checkpoint"
+    value = getattr(spec_config, field)
+    return spec_config if value is None else spec_config.model_copy(update={field: str(demo.resolve(value))})
+
+
+def engine_config_with(engine_config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    """``engine_config`` (default: EngineConfig()) with ``overrides`` applied and validated."""
+    return EngineConfig.model_validate({**(engine_config or EngineConfig()).model_dump(), **overrides})
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _tensor_parallel(cfg: EngineConfig, spec_config: SpecConfig | None, device: torch.device
+                     ) -> TensorParallel | None:
+    """The tensor-parallel group, checked before any weight loads (the same error on every rank)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.tensor_parallel_size == 1 and launched == 1:
+        return None
+    _check_tp_spec(spec_config)
+    return TensorParallel.setup(cfg.tensor_parallel_size, device)
+
+
+def _check_tp_spec(spec_config: SpecConfig | None) -> None:
+    if isinstance(spec_config, MTPConfig):
+        raise ValueError("MTP with tensor_parallel_size > 1 is not supported yet (MTP modules share the target's "
+                         "vocabulary-parallel lm_head); use EAGLE-3 or tensor_parallel_size=1")

@@ -1,0 +1,150 @@
+"""Requests in flight, their outputs, and acceptance statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..config import SamplingParams
+
+if TYPE_CHECKING:
+    from ..guided.grammar import GrammarMatcher
+
+
+@dataclass
+class AcceptanceStats:
+    """Accepted tokens per generation step (bonus included): n in 1..k+1, k the step's drafts (K = max_draft_len
+    unless a draft-length schedule shortened the step)."""
+
+    max_draft_len: int
+    accepted_per_step: list[int] = field(default_factory=list)
+    drafts_per_step: list[int] = field(default_factory=list)
+
+    def record(self, num_accepted: int, num_drafts: int | None = None) -> None:
+        self.accepted_per_step.append(num_accepted)
+        self.drafts_per_step.append(self.max_draft_len if num_drafts is None else num_drafts)
+
+    def merge(self, other: AcceptanceStats) -> None:
+        self.accepted_per_step.extend(other.accepted_per_step)
+        self.drafts_per_step.extend(other.drafts_per_step)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted_per_step)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per generation step, bonus included (1.0 = nothing accepted)."""
+        return sum(self.accepted_per_step) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Fraction of the steps that drafted position j (1-based) in which draft j was accepted, j = 1..K."""
+        rates = []
+        for j in range(1, self.max_draft_len + 1):
+            drafted = [n for n, k in zip(self.accepted_per_step, self.drafts_per_step) if k >= j]
+            rates.append(sum(n - 1 >= j for n in drafted) / max(len(drafted), 1))
+        return rates
+
+    @property
+    def histogram(self) -> list[int]:
+        """Steps that accepted 0, 1, ..., K drafts."""
+        counts = [0] * (self.max_draft_len + 1)
+        for n in self.accepted_per_step:
+            counts[n - 1] += 1
+        return counts
+
+    def summary(self) -> dict[str, object]:
+        return {"steps": self.num_steps, "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate_per_position],
+                "histogram": self.histogram}
+
+
+@dataclass
+class RequestOutput:
+    """What generate() returns per prompt. ``finish_reason``: "stop" (a stop token, or the request's grammar is
+    complete), "length", "rejected" or "error" (see ``error``)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: AcceptanceStats
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_total_tokens: int  # prompt + generated may not exceed this (max_seq_len and max_new_tokens)
+    stats: AcceptanceStats
+    slot: int = -1
+    num_cached: int = 0  # positions whose target K/V are committed
+    next_input: list[int] = field(default_factory=list)  # [last token, drafts] for the next step
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    matcher: GrammarMatcher | None = None  # the request's grammar state (guided decoding), advanced on the host
+
+    @property
+    def is_context(self) -> bool:
+        return self.num_cached == 0
+
+    def append(self, tokens: list[int]) -> None:
+        """Append accepted tokens, stopping at a stop id or the length limit (the rest is trimmed)."""
+        for token in tokens:
+            self.output.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.prompt) + len(self.output) >= self.max_total_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                return
+
+    def accept(self, tokens: list[int]) -> None:
+        """Append a step's accepted tokens, first following them through the grammar (which may end the request
+        at its completion)."""
+        grammar_finish = None
+        if self.matcher is not None:
+            tokens, grammar_finish = self.matcher.advance(tokens)
+        self.append(tokens)
+        self.finish_reason = self.finish_reason or grammar_finish
+
+    def to_output(self, text: str | None) -> RequestOutput:
+        error = "an accepted token broke the grammar (forced or relaxed acceptance)" \
+            if self.finish_reason == "error" else None
+        return RequestOutput(self.index, self.prompt, self.output, self.finish_reason or "length", self.stats, text,
+                             error)
+
+
+class GenerationOutputs(list):
+    """``list[RequestOutput]`` plus ``stats``: aggregate acceptance and throughput of the call."""
+
+    stats: dict[str, object]
+
+
+@dataclass
+class DecodeTimer:
+    """Wall time of generation-only steps; host time = the step minus its wait for the device."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    host_seconds: float = 0.0
+    request_steps: int = 0
+
+    def record(self, seconds: float, host_seconds: float, batch_size: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.host_seconds += host_seconds
+        self.request_steps += batch_size
+
+    def summary(self) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        return {"decode_steps": self.steps, "decode_seconds": round(self.seconds, 6),
+                "step_ms": round(1e3 * self.seconds / steps, 4),
+                "host_ms_per_step": round(1e3 * self.host_seconds / steps, 4),
+                "mean_decode_batch": round(self.request_steps / steps, 3)}

@@ -1,0 +1,208 @@
+"""ModelRunner: the one-model step and everything around it on one device — the KV cache, the sampling rows,
+the draft-length schedule, step inputs from host lists, and the CUDA graphs (compiled or not)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..config import EngineConfig, SamplingParams
+from ..drafts.base import SpecWorkerBase
+from ..drafts.metadata import SpecMetadata
+from ..guided.decoder import GuidedDecoder
+from ..guided.grammar import GrammarCompiler
+from ..model.attention import AttentionMetadata
+from ..model.kv_cache import KVCache
+from ..model.target import TargetModel
+from ..modes import SpeculativeDecodingMode
+from ..one_model import OneModel
+from ..sampling.forcing import read_forced_num_accepted
+from .cuda_graphs import CUDAGraphRunner
+from .draft_len import DraftLenSchedule
+
+_DEFAULT_MAX_SEQ_LEN = 8192
+
+
+class ModelRunner:
+    """Owns the :class:`OneModel` and runs its steps. The engine above it sees host lists in and packed
+    outputs [B, 2K+3] out (:meth:`step`, :meth:`run_next`); nothing here knows about requests."""
+
+    def __init__(self, target: TargetModel, worker: SpecWorkerBase, mode: SpeculativeDecodingMode,
+                 engine_config: EngineConfig, tokenizer=None, draft_len_schedule: Mapping[int, int] | None = None):
+        self.engine_config, self.tokenizer = engine_config, tokenizer
+        self.max_draft_len = worker.max_draft_len
+        self.schedule = DraftLenSchedule(self.max_draft_len, draft_len_schedule, fixed=mode.is_mtp_vanilla())
+        self.max_batch_size = engine_config.max_batch_size
+        self.max_seq_len = engine_config.max_seq_len or min(
+            getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
+        self.eos_token_ids = _eos_token_ids(target, tokenizer)
+        device = target.lm_head.weight.device
+        metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, device)
+        self.model = OneModel(target, worker, mode, metadata)
+        self.kv_cache = self._make_kv_cache()
+        worker.allocate_state(self.max_batch_size + 1, target.vocab_size, device)  # + the padding slot
+        self.num_kv_pages = self.kv_cache.k[0].shape[0]
+        if engine_config.use_fused_layers:
+            target.fuse(self.max_positions_per_request)
+            worker.fuse(self.max_positions_per_request)
+        use_graphs = device.type == "cuda" and not engine_config.enforce_eager
+        self._compile_whole = use_graphs and engine_config.compile_step and self.compiles_step_whole
+        if use_graphs and engine_config.compile_step and not self._compile_whole:
+            target.compile()
+            worker.compile()
+        self.graph_runner = self.new_graph_runner() if use_graphs else None
+
+    @property
+    def target(self) -> TargetModel:
+        return self.model.target
+
+    @property
+    def worker(self) -> SpecWorkerBase:
+        return self.model.worker
+
+    @property
+    def spec_metadata(self) -> SpecMetadata:
+        return self.model.spec_metadata
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.target.vocab_size
+
+    @property
+    def compiles_step_whole(self) -> bool:
+        """Whether ``compile_step`` compiles the graphed step whole (a fused target on one GPU) rather than the
+        target's layers and the EAGLE-3 head's passes module by module (stock layers, tensor parallel)."""
+        return self.target.fused is not None and self.target.parallel is None
+
+    def new_graph_runner(self) -> CUDAGraphRunner:
+        """A graph runner without captured graphs (the compiled step's Dynamo cache is kept: it lives on the
+        code)."""
+        return CUDAGraphRunner(self.model, self.kv_cache, self.schedule, self.max_batch_size, self._compile_whole)
+
+    @property
+    def max_positions_per_request(self) -> int:
+        """Positions a request's step may touch (block-table width, RoPE tables): a step writes up to 2K - 1 past
+        the committed length (target K, draft passes K - 1 more), and a step the engine runs ahead for a request
+        that has just ended (``Engine._run``) starts up to K past its last committed length; block-table entries
+        past a request's reserved pages point at the scratch page, so those writes land there."""
+        return self.max_seq_len + 3 * self.max_draft_len + 2
+
+    # -- the draft-length schedule and forcing (benchmark sweeps change them between runs) ----------------------
+
+    def draft_len_for(self, batch_size: int) -> int:
+        return self.schedule.draft_len_for(batch_size)
+
+    @property
+    def draft_len_schedule(self) -> dict[int, int]:
+        return self.schedule.as_dict()
+
+    def set_draft_len_schedule(self, schedule: Mapping[int, int] | None) -> None:
+        """Replace the draft-length schedule. Captured graphs are kept: they are keyed by their draft lengths."""
+        self.schedule.set(schedule)
+
+    def refresh_forced_acceptance(self) -> None:
+        """Re-read TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. The steps read the forced count from a device
+        tensor, so captured graphs stay valid for a new count; they are dropped only when forcing turns on or
+        off, which changes the step's code."""
+        was_forcing = self.worker.forcing
+        self.worker.forced_num_accepted = read_forced_num_accepted()
+        if self.graph_runner is not None and self.worker.forcing != was_forcing:
+            self.graph_runner = self.new_graph_runner()
+
+    # -- guided decoding --------------------------------------------------------------------------------------
+
+    @property
+    def guided_decoder(self) -> GuidedDecoder | None:
+        return self.worker.guided_decoder
+
+    def enable_guided_decoding(self) -> str | None:
+        """Give the worker a guided decoder (once; captured graphs are dropped so that they mask the logits).
+        Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
+        if self.worker.guided_decoder is not None:
+            return None
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        try:
+            compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                       eos if eos is not None else next(iter(self.eos_token_ids), None))
+        except (ImportError, ValueError) as err:
+            return str(err)
+        self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device))
+        if self.graph_runner is not None:
+            self.graph_runner = self.new_graph_runner()
+        return None
+
+    # -- steps ------------------------------------------------------------------------------------------------
+
+    def reseed(self, seed: int) -> None:
+        """Restart the batch random stream (rows of requests without their own seed)."""
+        self.spec_metadata.reseed(seed)
+
+    def prepare_graphs(self, params: Sequence[SamplingParams]) -> None:
+        """Capture every bucket's graph for the sampling variants of ``params`` before the first timed step."""
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all(params)
+
+    def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
+             params: list[SamplingParams], context_lens: tuple[int, ...], draft_len: int | None = None,
+             next_draft_len: int | None = None) -> torch.Tensor:
+        """Run one step from host-side inputs (flat layout, context requests first); returns the packed
+        outputs [B, 2K+3] on the device. ``draft_len``: drafts each generation request verifies,
+        ``next_draft_len``: drafts to propose (both default max_draft_len). Generation-only batches replay a
+        CUDA graph when one is enabled."""
+        k = self.max_draft_len if draft_len is None else draft_len
+        next_k = self.max_draft_len if next_draft_len is None else next_draft_len
+        num_gen = len(params) - len(context_lens)
+        if self.graph_runner is not None and not context_lens and self.graph_runner.bucket(num_gen):
+            return self.graph_runner.run(ids, positions, slots, drafts, params, k, next_k)
+        self.spec_metadata.prepare(params, context_lens, k, next_k)
+        device = self.device
+        attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
+                                       torch.tensor(positions, device=device),
+                                       max(positions) + 2 * self.max_draft_len + 2, context_lens,
+                                       tokens_per_request=k + 1)
+        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
+        return self.model.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
+
+    def can_run_next(self) -> bool:
+        """Whether the last step may be followed by :meth:`run_next`: a graphed step that keeps its draft length,
+        with no grammar (grammar masks are built on the host from the last step's tokens)."""
+        return (self.graph_runner is not None and self.graph_runner.can_run_next()
+                and self.worker.guided_decoder is None)
+
+    def run_next(self) -> torch.Tensor:
+        """Replay the last graphed step on inputs it advanced itself (CUDAGraphRunner.run_next)."""
+        return self.graph_runner.run_next()
+
+    def _make_kv_cache(self) -> KVCache:
+        shapes = self.target.kv_layer_shapes() + self.worker.kv_layer_shapes()
+        per_request = self.max_positions_per_request
+        page, dtype = self.engine_config.page_size, self.target.lm_head.weight.dtype
+        num_pages = self.engine_config.num_pages or _auto_num_pages(
+            shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config.kv_cache_fraction,
+            self.device, dtype)
+        return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, dtype, self.device)
+
+
+def _auto_num_pages(shapes: list[tuple[int, int]], page_size: int, wanted: int, kv_cache_fraction: float,
+                    device: torch.device, dtype: torch.dtype) -> int:
+    """Pages for ``wanted`` on CPU; on GPU at most ``kv_cache_fraction`` of the free memory."""
+    if device.type != "cuda":
+        return wanted
+    bytes_per_page = 2 * page_size * sum(h * d for h, d in shapes) * torch.finfo(dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(2, min(wanted, int(free * kv_cache_fraction) // bytes_per_page))
+
+
+def _eos_token_ids(target: TargetModel, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(target.hf, "generation_config", None), target.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids |= set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,1 @@
+"""Guided decoding: grammars (llguidance) and the token masks of a speculative step."""

@@ -1,0 +1,146 @@
+"""Attention for target and draft layers: write K/V into the paged cache, attend over it.
+
+The target's stock HF attention modules reach :func:`hf_attention_forward` through transformers'
+``AttentionInterface`` (registered as ``"tllm_spec"``); the metadata travels as the ``tllm_attn`` keyword
+argument, which transformers forwards from the model call to every attention function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from ..kernels.kv_write import kv_write
+from ..kernels.paged_attention import paged_attention
+from .kv_cache import KVCache
+
+ATTN_IMPLEMENTATION = "tllm_spec"
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one forward's tokens sit in the cache.
+
+    positions [N] int64; token_slots [N] int64 (block-table row per token); write_slots [N] int64 or None
+    (the row each token's K/V is written through, when it differs from token_slots: the padding slot sends a
+    write to the scratch page). Host values, fixed when the step is built (never read back from the device):
+    ``context_lens``, the prompt lengths of the context requests, whose tokens come first and attend only to
+    themselves; ``max_kv_len``, a bound on positions + 1 (limits the reference's work);
+    ``tokens_per_request``, how many consecutive non-context tokens share a request (K+1 in a step's verify
+    rows, 1 in a draft pass): the GPU kernel reads each request's K/V once for all of them.
+    """
+
+    kv_cache: KVCache
+    positions: torch.Tensor
+    token_slots: torch.Tensor
+    max_kv_len: int
+    context_lens: tuple[int, ...] = ()
+    write_slots: torch.Tensor | None = None
+    tokens_per_request: int = 1
+
+    @classmethod
+    def build(cls, kv_cache: KVCache, token_slots: torch.Tensor, positions: torch.Tensor, max_kv_len: int,
+              context_lens: tuple[int, ...] = (), tokens_per_request: int = 1) -> AttentionMetadata:
+        return cls(kv_cache, positions, token_slots, max_kv_len, tuple(context_lens),
+                   tokens_per_request=tokens_per_request)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(self.context_lens)
+
+    def for_tokens(self, token_slots: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+        """Metadata for one new token per request (a draft step), same bounds, no context part."""
+        return AttentionMetadata.build(self.kv_cache, token_slots, positions, self.max_kv_len)
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+           sliding_window: int | None = None) -> torch.Tensor:
+    """Store k, v for this forward's tokens in ``layer`` and attend. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
+
+    On the GPU, context tokens (a whole prompt each, positions from 0) attend to their own prompt with
+    dense causal attention on this forward's k, v, and the other tokens read the paged cache. On the CPU the
+    paged reference serves every token in one batched call (cheaper than a call per short prompt). Under
+    torch.compile the write and the paged attention are one custom op, opaque to Inductor.
+    """
+    cache = meta.kv_cache
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    num_ctx = meta.num_context_tokens
+    write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # the kernel takes dense heads (its tokens may have a stride: a slice of qkv)
+    if num_ctx == 0 or not q.is_cuda:
+        op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
+        query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
+        return op(q, k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
+                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
+    kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
+    out = torch.empty_like(q)
+    out[:num_ctx] = prefill_attention(q[:num_ctx], k[:num_ctx], v[:num_ctx], meta.context_lens, scale,
+                                      sliding_window)
+    if num_ctx < q.shape[0]:
+        out[num_ctx:] = paged_attention(q[num_ctx:], k_cache, v_cache, cache.block_tables,
+                                        meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
+                                        meta.max_kv_len, sliding_window, meta.tokens_per_request)
+    return out
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, block_tables: torch.Tensor, token_slots: torch.Tensor,
+                     write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
+                     sliding_window: int, query_len: int) -> torch.Tensor:
+    """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D] (dense heads; its tokens may have
+    a stride); k, v [N, Hkv, D] -> [N, Hq, D] contiguous."""
+    if write_slots is token_slots:  # the attention kernel writes the run's own K/V
+        return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                               sliding_window or None, query_len, new_kv=(k, v))
+    kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
+    return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                           sliding_window or None, query_len)
+
+
+_write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", write_and_attend,
+                                               mutates_args=("k_cache", "v_cache"))
+
+
+@_write_and_attend_op.register_fake
+def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
+      sliding_window, query_len):
+    return q.new_empty(q.shape)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention within each prompt of a packed batch. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
+    out = torch.empty_like(q)
+    start = 0
+    for n in lens:
+        qs, ks, vs = (x[start:start + n].transpose(0, 1)[None].to(q.dtype) for x in (q, k, v))  # [1, H, n, D]
+        mask = None
+        if sliding_window is not None:  # an explicit mask; plain causal keeps the flash kernels eligible
+            pos = torch.arange(n, device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=qs.shape[1] != ks.shape[1])
+        out[start:start + n] = o[0].transpose(0, 1)
+        start += n
+    return out
+
+
+@torch.compiler.disable  # compiled decoder layers call into our kernels eagerly: one graph for all layers
+def hf_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                         tllm_attn: AttentionMetadata | None = None, sliding_window: int | None = None,
+                         **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry. query [1, Hq, T, D]; key, value [1, Hkv, T, D] (packed batch)
+    -> ([1, T, Hq, D], None). The HF mask is ignored: causality comes from positions."""
+    if tllm_attn is None:
+        raise RuntimeError("tllm_spec attention called without tllm_attn metadata; run the model through SpecModel")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 tllm_attn, scale, sliding_window)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)

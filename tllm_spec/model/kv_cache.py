@@ -1,0 +1,82 @@
+"""Paged KV pool for the target's and the draft's layers: block tables and pages, one shared allocator."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.kv_write import flat_slot_index
+
+SCRATCH_PAGE = 0  # never handed out: unused block-table entries (and padding rows) point here
+
+
+class KVCache:
+    """K/V pages for every attention layer (target layers first, then the draft's), one block table row per
+    request slot. Rewinding rejected drafts is a length change done by the engine: nothing is copied.
+
+    k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim]; block_tables [max_requests,
+    max_pages_per_request] int32 on the device.
+    """
+
+    def __init__(self, layer_shapes: list[tuple[int, int]], num_pages: int, page_size: int, max_requests: int,
+                 max_tokens_per_request: int, dtype: torch.dtype, device: torch.device | str):
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {num_pages}")
+        self.page_size = page_size
+        self.max_pages_per_request = math.ceil(max_tokens_per_request / page_size)
+        self.k = [torch.zeros(num_pages, page_size, h, d, dtype=dtype, device=device) for h, d in layer_shapes]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        # one extra row, never allocated: the slot of CUDA-graph padding rows (all scratch)
+        self.block_tables = torch.full((max_requests + 1, self.max_pages_per_request), SCRATCH_PAGE,
+                                       dtype=torch.int32, device=device)
+        self.padding_slot = max_requests
+        self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return bool(self._free_slots) and self.pages_for(num_tokens) <= len(self._free_pages)
+
+    def allocate(self, num_tokens: int) -> int:
+        """Reserve pages for ``num_tokens`` positions; returns the request's slot (its block-table row)."""
+        num = self.pages_for(num_tokens)
+        if num > self.max_pages_per_request:
+            raise ValueError(f"{num_tokens} tokens exceed a request's block table ({self.max_pages_per_request} "
+                             f"pages of {self.page_size})")
+        if not self.can_allocate(num_tokens):
+            raise RuntimeError(f"KV pool exhausted: {num} pages wanted, {len(self._free_pages)} free")
+        slot = self._free_slots.pop()
+        pages = [self._free_pages.pop() for _ in range(num)]
+        self._pages[slot] = pages
+        row = torch.full((self.max_pages_per_request,), SCRATCH_PAGE, dtype=torch.int32)
+        row[:num] = torch.tensor(pages, dtype=torch.int32)
+        self.block_tables[slot].copy_(row)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return a finished request's pages and slot to the pool."""
+        self._free_pages.extend(reversed(self._pages.pop(slot)))
+        self._free_slots.append(slot)
+        self.block_tables[slot].fill_(SCRATCH_PAGE)
+
+    def write_index(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat index (page * page_size + offset) of each token's K/V. [N] int64 -> [N] int64, on device."""
+        return flat_slot_index(self.block_tables, token_slots, positions, self.page_size)
+
+    def gather_request(self, layer: int, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one request's first ``num_tokens`` positions, [num_tokens, Hkv, D] each (tests, debugging)."""
+        pages = torch.tensor(self._pages[slot], device=self.block_tables.device)
+        k = self.k[layer][pages].flatten(0, 1)[:num_tokens]
+        v = self.v[layer][pages].flatten(0, 1)[:num_tokens]
+        return k, v

@@ -1,0 +1,180 @@
+"""Compact decoder building blocks with fused projections: q/k/v as one GEMM, gate/up as one GEMM.
+
+They are built from already loaded modules (a stock HF decoder layer, an EAGLE-3 midlayer) by
+:func:`fuse_linears`, which concatenates the weights once and re-points the source ``nn.Linear`` weights at
+views of the fused tensor: no second copy of any weight, and the stock modules keep working (the training
+code and the HF fallback still use them). The maths is the stock modules' to the last rounding step in fp32,
+so greedy outputs stay token-identical to HF ``generate`` (bf16/fp16 decoding steps' projections run the
+skinny-GEMM kernel, whose sums round differently from cuBLAS's).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.parallel import all_reduce
+from ..kernels.rms_norm import rms_norm_op
+from ..kernels.skinny_linear import MAX_ROWS, skinny_linear_op, skinny_linear_ref
+from .attention import AttentionMetadata, attend
+from .rotary import apply_rotary
+
+# Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
+def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None,
+           rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0) -> torch.Tensor:
+    """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
+    product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape); ``rope`` (cos, sin)
+    [N, 1, D]: the first ``rotary_cols`` features rotated per head of D. On CUDA through the skinny-GEMM op: a
+    decoding step's few rows (<= 16, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
+    and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
+    so one compiled graph serves both); elsewhere the same stock ops (the op's reference)."""
+    cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
+    op = skinny_linear_op if x.is_cuda else skinny_linear_ref
+    return op(x, layer.weight, layer.bias, gated=gated, residual=residual, rope_cos=cos, rope_sin=sin,
+              rotary_cols=rotary_cols)
+
+
+def one_request_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
+    """Whether a layer runs the kernels made for one request's generation step: its RMSNorms as
+    :func:`rms_norm_op`, the residual adds and the SwiGLU product as GEMM epilogues (:func:`linear`), which
+    removes the launches that dominate such a step apart from its weight reads. That is a generation step
+    (no prompt in it) of at most ``tokens_per_request`` rows, i.e. one request, in bf16/fp16 on CUDA; larger
+    steps keep the stock ops, which Inductor fuses with each other (the ops' eager fallbacks would not). Under
+    torch.compile the row count is compared with a host value: batch 1 is a compilation of its own anyway, and
+    every larger batch takes the other branch, so one compilation still serves them all; an eager step takes
+    the compiled one's branch."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not attn.context_lens
+            and x.shape[0] <= attn.tokens_per_request and attn.tokens_per_request <= MAX_ROWS)
+
+
+def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """A stock RMSNorm module's result through :func:`rms_norm_op` (its kernel on CUDA); a norm whose weight is
+    kept in another dtype (its product promotes) is the module itself."""
+    if module.weight.dtype != x.dtype:
+        return module(x)
+    return rms_norm_op(x, module.weight, module.variance_epsilon)
+
+
+def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, residual: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """A block's last projection plus ``residual``: on one GPU the add is the GEMM's epilogue (:func:`linear`);
+    tensor parallel, the partial sums are all-reduced first and the residual added after."""
+    if tp_group is None:
+        return linear(x, layer, residual=residual)
+    out = all_reduce(linear(x, layer), tp_group)
+    return out if residual is None else residual + out
+
+
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` computing ``cat([l(x) for l in linears], -1)``; the sources' weights (and biases) become
+    views of the fused ones. All sources share in_features, dtype, device and bias presence."""
+    has_bias = linears[0].bias is not None
+    if any((lin.bias is not None) != has_bias or lin.in_features != linears[0].in_features for lin in linears):
+        raise ValueError("fuse_linears: the projections differ in input size or bias presence")
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False) if has_bias \
+        else None
+    start = 0
+    for lin in linears:
+        rows = lin.out_features
+        lin.weight = nn.Parameter(fused.weight[start:start + rows], requires_grad=False)
+        if has_bias:
+            lin.bias = nn.Parameter(fused.bias[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class Attention(nn.Module):
+    """Self-attention with one fused qkv GEMM, optional per-head q/k RMSNorm (Qwen3), sliding window (Mistral,
+    Qwen2), K/V written to KV layer ``kv_layer`` of the paged cache.
+
+    Tensor parallel (``tp_group`` names the process group): qkv_proj holds this rank's heads, o_proj the
+    matching input columns, and its partial sums are all-reduced. None (one GPU): no collective at all."""
+
+    def __init__(self, qkv_proj: nn.Linear, o_proj: nn.Linear, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_layer: int, scale: float, sliding_window: int | None = None, q_norm: nn.Module | None = None,
+                 k_norm: nn.Module | None = None):
+        super().__init__()
+        self.qkv_proj, self.o_proj, self.q_norm, self.k_norm = qkv_proj, o_proj, q_norm, k_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.kv_layer, self.scale, self.sliding_window = kv_layer, scale, sliding_window
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.tp_group: str | None = None
+
+    @classmethod
+    def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, head_dim: int, kv_layer: int,
+                     scale: float, **kwargs) -> Attention:
+        return cls(fuse_linears([q, k, v]), o, q.out_features // head_dim, k.out_features // head_dim, head_dim,
+                   kv_layer, scale, **kwargs)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                residual: torch.Tensor | None = None, rotary_epilogue: bool = False) -> torch.Tensor:
+        """x [N, H_in] -> [N, H] (plus ``residual``, :func:`output_projection`); ``rotary_epilogue``: q and k are
+        rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between."""
+        q_size, kv_size = self.q_size, self.kv_size
+        if rotary_epilogue and self.q_norm is None:
+            qkv = linear(x, self.qkv_proj, rope=rope, rotary_cols=q_size + kv_size)
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
+            qkv = linear(x, self.qkv_proj)
+            qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            qkv = linear(x, self.qkv_proj)
+            q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        out = attend(self.kv_layer, q, k, v, attn, self.scale, self.sliding_window)
+        return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual)
+
+
+class MLP(nn.Module):
+    """SwiGLU with one fused gate/up GEMM: down(silu(gate(x)) * up(x)). Tensor parallel (``tp_group``): this
+    rank's slice of the intermediate size, the down projection's partial sums all-reduced."""
+
+    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Linear):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+        self.intermediate = gate_up_proj.out_features // 2
+        self.tp_group: str | None = None
+
+    @classmethod
+    def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> MLP:
+        return cls(fuse_linears([gate, up]), down)
+
+    def forward(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> [N, H] (plus ``residual``, :func:`output_projection`); ``gated``: the SwiGLU product is the
+        gate/up GEMM's epilogue (:func:`linear`)."""
+        if gated:
+            act = linear(x, self.gate_up_proj, gated=True)
+        else:
+            gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return output_projection(act, self.down_proj, self.tp_group, residual)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)) (the stock Llama/Qwen/Mistral layer)."""
+
+    def __init__(self, input_layernorm: nn.Module, self_attn: Attention, post_attention_layernorm: nn.Module,
+                 mlp: MLP):
+        super().__init__()
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
+                ) -> torch.Tensor:
+        """hidden [N, H] -> [N, H]."""
+        if one_request_kernels(hidden, attn):
+            hidden = self.self_attn(norm(hidden, self.input_layernorm), rope, attn, residual=hidden,
+                                    rotary_epilogue=True)
+            return self.mlp(norm(hidden, self.post_attention_layernorm), gated=True, residual=hidden)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

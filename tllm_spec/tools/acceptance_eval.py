@@ -1,0 +1,200 @@
+"""Acceptance evaluation on held-out prompts: for each draft head and temperature, the mean accepted length
+(bonus token included, with its standard error over prompts), the acceptance rate per draft position and the
+histogram of accepted drafts; plus wall-clock tokens/s with and without speculation on the same engine (batch 1,
+T = 0).
+
+Sampled temperatures are verified by rejection sampling (``use_rejection_sampling=True``: drafts drawn at the
+request's temperature, accepted with probability min(1, p/q)); T = 0 by exact argmax comparison.
+
+Prompts are the first ``prompt_tokens`` tokens of held-out files. The demo recipe stores the held-out files'
+opening text in ``assets/demo/heldout.json`` so the prompts do not depend on the local Python's stdlib.
+Generation ignores EOS (every request runs ``max_new_tokens``) so all heads see the same amount of text.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .. import demo
+from ..config import Eagle3Config, MTPConfig, SamplingParams
+from ..spec_model import SpecModel
+
+HELDOUT_FILE = "heldout.json"
+SpecConfig = Eagle3Config | MTPConfig | None
+
+
+def heldout_texts(path: str | Path | None = None, num_chars: int = 1200) -> list[str]:
+    """The stored opening text of each held-out file (``{"prompts": [{"file", "text"}, ...]}``). Default: the
+    shipped pair's ``assets/demo/heldout.json``, else the local stdlib's held-out files under the same rule."""
+    path = Path(path) if path is not None else demo.ASSETS / HELDOUT_FILE
+    if path.is_file():
+        return [entry["text"] for entry in json.loads(path.read_text())["prompts"]]
+    if path != demo.ASSETS / HELDOUT_FILE:
+        raise FileNotFoundError(f"{path}: no such held-out prompt file")
+    from ..training.data import split_heldout, stdlib_files
+
+    print(f"no {path}: prompts from this Python's held-out stdlib files (every 10th of the sorted list)")
+    return [f.read_text(encoding="utf-8", errors="replace")[:num_chars] for f in split_heldout(stdlib_files())[1]]
+
+
+def prompt_ids(tokenizer, texts: list[str], num_prompts: int, prompt_tokens: int) -> list[list[int]]:
+    """The first ``prompt_tokens`` tokens of the first ``num_prompts`` texts that have that many."""
+    prompts = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= prompt_tokens:
+            prompts.append(ids[:prompt_tokens])
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"no held-out text has {prompt_tokens} tokens")
+    return prompts
+
+
+def head_configs(eagle3: str | None, mtp: str | None, k: int) -> dict[str, SpecConfig]:
+    """Named speculative configs to evaluate; ``mtp == "target"`` reads MTP weights from the target dir. Sampled
+    requests (T > 0) are verified by rejection sampling; greedy ones by exact argmax comparison either way."""
+    heads: dict[str, SpecConfig] = {}
+    if eagle3:
+        heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k, use_rejection_sampling=True)
+    if mtp:
+        heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, use_rejection_sampling=True,
+                                 mtp_checkpoint=None if mtp == "target" else mtp)
+    return heads
+
+
+def load(target: str, spec: SpecConfig, device: str, dtype: str | None, max_seq_len: int) -> SpecModel:
+    return SpecModel.from_pretrained(target, spec, dtype=dtype, device=device, max_batch_size=1,
+                                     max_seq_len=max_seq_len)
+
+
+def acceptance(model: SpecModel, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+               seed: int = 0) -> dict[str, object]:
+    """Aggregate acceptance statistics of one generate() over ``prompts``."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
+    outputs = model.generate(prompts, params, seed=seed)
+    keys = ("steps", "num_tokens", "mean_accepted_length", "acceptance_rate_per_position", "histogram")
+    stats = {key: outputs.stats[key] for key in keys}
+    per_prompt = [(sum(o.stats.accepted_per_step), o.stats.num_steps) for o in outputs]
+    stats["mean_accepted_length_se"] = round(ratio_standard_error(per_prompt), 4)
+    return stats
+
+
+def ratio_standard_error(per_prompt: list[tuple[int, int]]) -> float:
+    """Standard error of the mean accepted length sum(tokens) / sum(steps) over prompts [(tokens, steps)]:
+    the ratio estimator's (delta method), prompts being the independent units (a prompt's steps are not: one
+    hard passage lowers many). 0 for fewer than 2 prompts."""
+    m = len(per_prompt)
+    steps = sum(s for _, s in per_prompt)
+    if m < 2 or steps == 0:
+        return 0.0
+    ratio = sum(n for n, _ in per_prompt) / steps
+    residuals = sum((n - ratio * s) ** 2 for n, s in per_prompt)
+    return (m / (m - 1) * residuals) ** 0.5 / steps
+
+
+def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_tokens: int, repeats: int = 2
+               ) -> dict[str, dict[str, float]]:
+    """Best-of-``repeats`` wall-clock tokens/s (prefill included) and decode-only tokens/s per model, greedy,
+    batch 1; the models take turns so background load hits them alike."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    best: dict[str, dict[str, float]] = {}
+    for model in models.values():
+        model.generate([prompts[0]], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            stats = model.generate(prompts, params).stats
+            seconds = time.perf_counter() - start
+            decode_tokens = stats["mean_accepted_length"] * stats["decode_steps"]
+            run = {"tokens_per_s": stats["num_tokens"] / seconds, "seconds": seconds,
+                   "decode_tokens_per_s": decode_tokens / max(stats["decode_seconds"], 1e-9),
+                   "step_ms": stats["step_ms"]}
+            if name not in best or run["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = {k: round(v, 3) for k, v in run.items()}
+    return best
+
+
+def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]], max_new_tokens: int,
+             temperatures: tuple[float, ...] = (0.0, 1.0), device: str = "cpu", dtype: str | None = None,
+             speed_prompts: int = 4, repeats: int = 2, progress: bool = True) -> dict[str, object]:
+    """Acceptance per head and temperature, then the speed comparison; one JSON-ready dict."""
+    max_seq_len = max(len(p) for p in prompts) + max_new_tokens + 16
+    models = {name: load(target, spec, device, dtype, max_seq_len) for name, spec in heads.items()}
+    result: dict[str, object] = {"target": target, "device": device, "num_prompts": len(prompts),
+                                 "prompt_tokens": len(prompts[0]), "max_new_tokens": max_new_tokens,
+                                 "heads": {}, "threads": torch.get_num_threads()}
+    for name, model in models.items():
+        result["heads"][name] = {"config": heads[name].model_dump(mode="json"), "max_draft_len": model.max_draft_len}
+        for temperature in temperatures:
+            stats = acceptance(model, prompts, max_new_tokens, temperature)
+            result["heads"][name][f"T={temperature:g}"] = stats
+            if progress:
+                print(f"{name} T={temperature:g}: mean accepted length {stats['mean_accepted_length']:.3f} "
+                      f"± {stats['mean_accepted_length_se']:.3f} (standard error over prompts), "
+                      f"per position {stats['acceptance_rate_per_position']}, histogram {stats['histogram']}",
+                      flush=True)
+    result["speed"] = {}
+    if speed_prompts > 0:  # 0: acceptance only
+        models = {"plain": load(target, None, device, dtype, max_seq_len), **models}
+        speed = throughput(models, prompts[:speed_prompts], max_new_tokens, repeats)
+        for name in heads:
+            speed[name]["speedup"] = round(speed[name]["tokens_per_s"] / speed["plain"]["tokens_per_s"], 3)
+        result["speed"] = speed
+    return result
+
+
+def format_table(result: dict[str, object]) -> str:
+    """A markdown table of the evaluation (for the README / resolution note)."""
+    lines = ["| head | T | mean accepted length (± s.e.) | acceptance per position | histogram | tokens/s (speedup) |",
+             "|---|---|---|---|---|---|"]
+    speed = result["speed"]
+    if speed:
+        lines.append(f"| none (plain) | 0 | 1.00 | - | - | {speed['plain']['tokens_per_s']:.1f} |")
+    for name, head in result["heads"].items():
+        for key, stats in head.items():
+            if not key.startswith("T="):
+                continue
+            timed = speed and key == "T=0"
+            tps = f"{speed[name]['tokens_per_s']:.1f} ({speed[name]['speedup']:.2f}x)" if timed else "-"
+            rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
+            se = stats.get("mean_accepted_length_se")  # absent from evaluations written before it was added
+            length = f"{stats['mean_accepted_length']:.2f}" + (f" ± {se:.2f}" if se is not None else "")
+            lines.append(f"| {name} | {key[2:]} | {length} | {rates} | "
+                         f"{stats['histogram']} | {tps} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, object], path: str | Path) -> Path | None:
+    """Acceptance per position, accepted-draft histogram and tokens/s; None (with a message) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: plot skipped (pip install matplotlib)")
+        return None
+    fig, (ax_rate, ax_hist, ax_speed) = plt.subplots(1, 3, figsize=(15, 4))
+    for name, head in result["heads"].items():
+        for key, stats in (kv for kv in head.items() if kv[0].startswith("T=")):
+            label = f"{name} {key}"
+            rates = stats["acceptance_rate_per_position"]
+            ax_rate.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+            hist = stats["histogram"]
+            ax_hist.plot(range(len(hist)), [h / max(1, sum(hist)) for h in hist], marker="s", label=label)
+    k = max(head["max_draft_len"] for head in result["heads"].values())
+    ax_rate.set(title="acceptance rate per draft position", xlabel="draft position", ylim=(0, 1),
+                xticks=range(1, k + 1))
+    ax_hist.set(title="accepted drafts per step", xlabel="accepted drafts", ylabel="fraction of steps",
+                xticks=range(k + 1))
+    names = list(result["speed"])
+    ax_speed.bar(names, [result["speed"][n]["tokens_per_s"] for n in names])
+    ax_speed.set(title=f"tokens/s, batch 1, T=0 ({result['device']})")
+    ax_rate.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,241 @@
+"""Decode-speed measurement against the memory roofline and HF generate, on random-weight models."""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import SamplingParams
+from ..sampling.forcing import ENV_VAR
+from ..spec_model import SpecModel
+
+
+@dataclass
+class Point:
+    """One measured configuration."""
+
+    mode: str  # "eagle3" or "none"
+    batch: int
+    draft_len: int  # drafts proposed per step (0 for "none", and for an "eagle3" step scheduled without drafts)
+    forced_drafts: float | None  # forced accepted drafts per step (None: no speculation)
+    step_ms: float
+    host_ms_per_step: float
+    tokens_per_step: float  # per request, bonus included
+    tokens_per_second: float
+    roofline_bytes_per_step: float
+    roofline_tokens_per_second: float
+    roofline_fraction: float
+    peak_memory_gib: float
+
+
+def measure_bandwidth(device: torch.device, gib: float = 2.0) -> dict[str, float]:
+    """HBM read bandwidth seen by a bf16 GEMV (what decoding does) and by a plain reduction, in bytes/s."""
+    cols = 8192
+    rows = int(gib * 2**30 / 2 / cols)
+    weight = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+    vec = torch.randn(cols, 1, device=device, dtype=torch.bfloat16)
+    nbytes = weight.numel() * 2
+    rates = {}
+    for name, fn in (("gemv", lambda: weight @ vec), ("read", lambda: weight.sum(dtype=torch.float32))):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize(device)
+        rates[name] = nbytes * 20 / (time.perf_counter() - start)
+    del weight
+    return rates
+
+
+def _param_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> int:
+    skipped = {id(p) for m in skip for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skipped)
+
+
+def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int | None = None) -> float:
+    """Bytes a generation step must read at least: target weights once, draft weights per pass, KV.
+    ``draft_len``: the step's drafts (default max_draft_len); with 0 the draft's first pass still reads its
+    layer (it keeps the draft cache whole) but not its lm_head."""
+    target = model.target
+    embed = target.decoder.embed_tokens
+    tied = embed.weight is target.lm_head.weight
+    total = _param_bytes(target.hf, skip=() if tied else (embed,))
+    kv = model.runner.kv_cache
+    elem = kv.k[0].element_size()
+    per_token_kv = [2 * k.shape[2] * k.shape[3] * elem for k in kv.k]
+    total += batch * context_len * sum(per_token_kv[:target.num_layers])
+    k = model.max_draft_len if draft_len is None else draft_len
+    if model.max_draft_len:
+        draft = model.worker.draft_model
+        fc = _param_bytes(draft.fc)
+        shared = (draft.embed_tokens,) if draft.embed_tokens is embed else ()
+        per_pass = _param_bytes(draft, skip=(draft.fc, draft.embed_tokens, *shared))
+        passes = k * per_pass if k else _param_bytes(draft.midlayer)
+        total += fc + passes + max(k, 1) * batch * context_len * sum(per_token_kv[target.num_layers:])
+    return total
+
+
+def force_acceptance(model: SpecModel, forced: float | None) -> None:
+    """Set TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS to ``forced`` (None: unset) and make ``model`` read it."""
+    if forced is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        os.environ[ENV_VAR] = str(forced)
+    model.runner.refresh_forced_acceptance()
+
+
+def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, forced: float | None,
+              bandwidth: float, seed: int = 0) -> Point:
+    """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone)."""
+    force_acceptance(model, forced)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, model.target.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    model.generate(prompts, params.model_copy(update={"max_new_tokens": 2 * model.max_draft_len + 4}))  # capture
+    torch.cuda.reset_peak_memory_stats(model.device)
+    stats = model.generate(prompts, params, seed=seed).stats
+    draft_len = model.runner.draft_len_for(batch)
+    per_step = (stats["mean_accepted_length"] if draft_len else 0.0) or 1.0
+    step_s = stats["step_ms"] / 1e3
+    bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2, draft_len)
+    roofline_tps = batch * per_step * bandwidth / bytes_per_step
+    tps = stats["mean_decode_batch"] * per_step / step_s
+    return Point("eagle3" if model.max_draft_len else "none", batch, draft_len, forced, stats["step_ms"],
+                 stats["host_ms_per_step"], per_step, tps, bytes_per_step, roofline_tps, tps / roofline_tps,
+                 torch.cuda.max_memory_allocated(model.device) / 2**30)
+
+
+def expected_accepted_drafts(draft_len: int, acceptance: float) -> float:
+    """Mean accepted drafts of a chain of ``draft_len`` drafts when each is accepted with probability
+    ``acceptance`` given the ones before: sum_{i=1..k} a^i."""
+    return sum(acceptance ** i for i in range(1, draft_len + 1))
+
+
+def sweep_draft_len(model: SpecModel, batches: list[int], prompt_len: int, new_tokens: int, acceptance: float,
+                    bandwidth: float, on_point: Callable[[Point], None] | None = None
+                    ) -> tuple[list[Point], dict[int, int]]:
+    """Every draft length 0..K at every batch size, acceptance forced to :func:`expected_accepted_drafts`
+    (a realistic chain rather than a perfect draft); returns the points and the fastest draft length per
+    batch size as a ``draft_len_schedule``; ``on_point`` sees each point as it is measured. The model's own
+    schedule is restored afterwards."""
+    saved, points = model.runner.draft_len_schedule, []
+    try:
+        for batch in batches:
+            for k in range(model.max_draft_len + 1):
+                model.runner.set_draft_len_schedule({1: k})
+                forced = expected_accepted_drafts(k, acceptance) if k else None
+                points.append(run_point(model, batch, prompt_len, new_tokens, forced, bandwidth))
+                if on_point is not None:
+                    on_point(points[-1])
+    finally:
+        model.runner.set_draft_len_schedule(saved)
+    return points, best_schedule(points)
+
+
+def best_schedule(points: list[Point]) -> dict[int, int]:
+    """{batch: fastest draft length} over the measured batch sizes, with the smallest batch keyed 1 (what a
+    draft_len_schedule needs) and repeated lengths merged into the smaller key."""
+    fastest = {}
+    for batch in sorted({p.batch for p in points}):
+        fastest[batch] = max((p for p in points if p.batch == batch), key=lambda p: p.tokens_per_second).draft_len
+    schedule, last = {}, None
+    for i, (batch, k) in enumerate(fastest.items()):
+        if k != last:
+            schedule[1 if i == 0 else batch] = k
+            last = k
+    return schedule
+
+
+def hf_generate_tokens_per_second(model: SpecModel, batch: int, prompt_len: int, new_tokens: int,
+                                  static_cache: bool) -> float:
+    """HF generate on the same weights (SDPA attention), decode rate from two lengths (prefill cancels)."""
+    hf = model.target.hf
+    hf.set_attn_implementation("sdpa")
+    try:
+        ids = torch.randint(0, model.target.vocab_size, (batch, prompt_len), device=model.device)
+        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+        if static_cache:
+            kwargs["cache_implementation"] = "static"
+
+        def timed(n: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        timed(new_tokens)  # warm-up (and compilation for the static cache)
+        short, full = timed(2), timed(new_tokens)
+        return batch * (new_tokens - 2) / (full - short)
+    finally:
+        hf.set_attn_implementation("tllm_spec")
+
+
+def to_rows(points: list[Point]) -> list[dict]:
+    return [asdict(p) for p in points]
+
+
+_KERNEL_GROUPS = (("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk", "nvjet",
+                            "_skinny_linear_kernel")),
+                  ("paged attention + KV write (triton)", ("_paged_attention_kernel", "_kv_write_kernel")),
+                  ("sampling (flashinfer)", ("sampling", "TopK", "flashinfer")),
+                  ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
+                  ("reduce / norm", ("reduce", "norm", "mean")))
+
+
+def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | None, steps: int = 20) -> dict:
+    """GPU kernel time of the graphed generation step (replays of the captured bucket graph), grouped by kind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    force_acceptance(model, forced)
+    if model.runner.graph_runner is None:
+        raise ValueError("profile_step profiles the CUDA-graph step: build the model without enforce_eager")
+    prompts = [list(range(1, prompt_len + 1))] * batch
+    model.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # captures; fills the inputs
+    k = model.runner.draft_len_for(batch)
+    runner = model.runner
+    graph = runner.graph_runner.graphs[(runner.graph_runner.bucket(batch), k, k, *runner.spec_metadata.variant)][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) * 1e3 / steps
+    groups: dict[str, float] = {}
+    top: list[tuple[float, int, str]] = []
+    kernels = 0
+    for evt in prof.key_averages():
+        us = evt.device_time_total
+        if evt.device_type != DeviceType.CUDA or not us:
+            continue
+        kernels += evt.count
+        top.append((us / steps, evt.count // steps, evt.key[:90]))
+        group = next((g for g, keys in _KERNEL_GROUPS if any(k.lower() in evt.key.lower() for k in keys)),
+                     "elementwise / other")
+        groups[group] = groups.get(group, 0.0) + us / steps
+    return {"mode": "eagle3" if model.max_draft_len else "none", "batch": batch, "forced_drafts": forced,
+            "kernel_us_per_step": {g: round(v, 1) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
+            "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / steps,
+            "top_kernels": [{"us_per_step": round(us, 1), "calls_per_step": n, "name": name}
+                            for us, n, name in sorted(top, reverse=True)[:24]],
+            "graph_step_ms": step_ms}
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"profile {p['mode']} batch {p['batch']} forced {p['forced_drafts']}: "
+             f"{p['total_kernel_us_per_step'] / 1e3:.2f} ms of kernels per step in {p['kernels_per_step']:.0f} "
+             f"launches (graph replay {p['graph_step_ms']:.2f} ms, profiler on)"]
+    if p["total_kernel_us_per_step"] > 1e3 * p["graph_step_ms"]:
+        lines.append("  (kernels launched as programmatic dependents start before the kernel in front ends: each "
+                     "one's time includes its wait, so the times overlap and exceed the replay)")
+    lines += [f"  {g:28s} {us / 1e3:7.3f} ms" for g, us in p["kernel_us_per_step"].items()]
+    lines += [f"    {k['us_per_step'] / 1e3:7.3f} ms  x{k['calls_per_step']:<4d} {k['name']}" for k in p["top_kernels"]]
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Random-weight targets and draft heads of a given shape, saved in real checkpoint formats.
+
+Used by the tests (tiny models through the real loaders), the benchmark (Llama-3.1-8B-shaped models
+without a download) and the demo recipe.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from ..drafts.eagle3.checkpoint import (
+    Eagle3Checkpoint,
+    Eagle3HeadConfig,
+    expected_shapes,
+    head_llama_config,
+    save_eagle3_checkpoint,
+)
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+DRAFT_VOCAB_SIZE = 32000  # EAGLE-3 heads for Llama-3.1-8B / Qwen3-8B (e.g. EAGLE3-LLaMA3.1-Instruct-8B)
+SHAPES = {
+    "tiny": TINY,
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=4096, vocab_size=32000),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
+                         rope_theta=500000.0),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
+                          rope_theta=500000.0),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, vocab_size=151936,
+                     rope_theta=1000000.0),
+}
+
+
+def target_config(model_type: str = "llama", vocab_size: int = 97, **overrides) -> PretrainedConfig:
+    """An HF config of ``model_type`` (llama, qwen2, qwen3, mistral) with TINY defaults and overrides."""
+    fields = {**TINY, "vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": None,
+              "eos_token_id": None, "pad_token_id": None, **overrides}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def save_random_target(path: str | Path, config: PretrainedConfig, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """Random weights (fan-in scaled matrices, unit-variance embeddings) saved with save_pretrained."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if "embed" not in name else 1.0)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def random_head_for(config: PretrainedConfig, draft_vocab_size: int | None = None, seed: int = 0,
+                    aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Checkpoint:
+    """A random EAGLE-3 head shaped for ``config``'s target (same hidden size and attention shape)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return random_eagle3_checkpoint(
+        hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=head_dim,
+        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        draft_vocab_size=draft_vocab_size or config.vocab_size, seed=seed, aux_layer_ids=aux_layer_ids)
+
+
+def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = "eagle", **kwargs) -> Path:
+    save_eagle3_checkpoint(path, random_head_for(config, **kwargs), dialect)
+    return Path(path)
+
+
+def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
+                      device: str, seed: int = 0, **engine_kwargs):
+    """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
+    "eagle3" (a random head written to ``workdir`` and loaded through the real loader) or "none". With
+    ``tensor_parallel_size=N`` in ``engine_kwargs`` (under torchrun) each rank draws only its shards."""
+    from ..config import Eagle3Config
+    from ..distributed.parallel import TensorParallel, local_process_device
+    from ..model.target import TargetModel
+    from ..spec_model import SpecModel
+
+    config = AutoConfig.for_model("llama" if shape != "qwen3-8b" else "qwen3", **SHAPES[shape])
+    tp_size = engine_kwargs.get("tensor_parallel_size", 1)
+    parallel = TensorParallel.setup(tp_size, torch.device(device)) if tp_size > 1 else None
+    device = local_process_device(torch.device(device)) if parallel else device
+    target = TargetModel.from_config(config, dtype, device, seed, parallel)
+    spec_config = None
+    if spec == "eagle3":  # the released heads of 8B-class targets draft over 32000 tokens (a d2t-mapped subset)
+        head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1,
+                                draft_vocab_size=min(config.vocab_size, DRAFT_VOCAB_SIZE))
+        spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len)
+    elif spec != "none":
+        raise ValueError(f"spec must be 'eagle3' or 'none', got {spec!r}")
+    return SpecModel.from_target(target, spec_config, **engine_kwargs)
+
+
+def random_eagle3_checkpoint(
+    hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
+    intermediate_size: int, vocab_size: int, draft_vocab_size: int, target_hidden_size: int | None = None,
+    rope_theta: float = 10000.0, seed: int = 0, aux_layer_ids: tuple[int, ...] | list[int] | None = None,
+) -> Eagle3Checkpoint:
+    """A random float32 head: weights ~ N(0, 0.02), norms 1 + N(0, 0.02), d2t onto a sorted random subset."""
+    hparams = dict(
+        hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim, intermediate_size=intermediate_size, rope_theta=rope_theta, rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+    )
+    config = Eagle3HeadConfig(
+        head_llama_config(hparams, vocab_size), draft_vocab_size, target_hidden_size or hidden_size,
+        tuple(aux_layer_ids) if aux_layer_ids is not None else None, False, False, "eagle",
+    )
+    g = torch.Generator().manual_seed(seed)
+    state = {name: _random_tensor(name, shape, g) for name, (shape, _) in expected_shapes(config).items()}
+    target_ids = torch.randperm(vocab_size, generator=g)[:draft_vocab_size].sort().values
+    state["d2t"] = target_ids - torch.arange(draft_vocab_size)  # [draft_vocab] int64 offsets
+    return Eagle3Checkpoint(config, state)
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    noise = 0.02 * torch.randn(shape, generator=g)
+    return 1.0 + noise if name.endswith("norm.weight") else noise
