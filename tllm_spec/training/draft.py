@@ -3,6 +3,7 @@ and write them in the formats our loaders read (EAGLE dialect; DeepSeek-style MT
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -191,20 +192,31 @@ def _rollouts(cfg: DraftTrainConfig, model, stream: torch.Tensor, target_dir: Pa
                 "prompt_tokens": cfg.rollout_prompt_tokens, "shape": [cfg.rollout_sequences, cfg.seq_len],
                 "temperatures": list(cfg.rollout_temperatures)}
     if path is not None and path.is_file():
-        stored = torch.load(path)
-        if isinstance(stored, dict):
-            stored.setdefault("temperatures", [0.0, 1.0])  # files from before the setting: half greedy, half T = 1
-        made_with = {k: stored.get(k) for k in settings} if isinstance(stored, dict) else None
-        if made_with != settings:
-            raise ValueError(f"{path}: rollouts made with {made_with}, this run needs {settings}: delete the file "
-                             "or match the settings")
-        return stored["rollouts"]
+        return _read_rollouts(path, settings)
     rollouts = generate_rollouts(model, stream, cfg.rollout_sequences, cfg.rollout_prompt_tokens, cfg.seq_len,
                                  temperatures=cfg.rollout_temperatures, seed=cfg.seed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"rollouts": rollouts, **settings}, path)
     return rollouts
+
+
+def _read_rollouts(path: Path, settings: dict) -> torch.Tensor:
+    """[rollout_sequences, seq_len] int32 from ``path``, refused unless made with ``settings``. The file holds a
+    dict of a tensor, str, int and lists, read weights-only: a file that would unpickle anything else (code) is
+    refused, not run."""
+    try:
+        stored = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: refused: it holds objects other than tensors and plain values (unpickling them "
+                         "could run code); delete the file to regenerate the rollouts") from None
+    if isinstance(stored, dict):
+        stored.setdefault("temperatures", [0.0, 1.0])  # files from before the setting: half greedy, half T = 1
+    made_with = {k: stored.get(k) for k in settings} if isinstance(stored, dict) else None
+    if made_with != settings:
+        raise ValueError(f"{path}: rollouts made with {made_with}, this run needs {settings}: delete the file "
+                         "or match the settings")
+    return stored["rollouts"]
 
 
 def _calibrate(cfg: DraftTrainConfig, trainer: Eagle3Trainer, teacher: Teacher, model, stream: torch.Tensor
