@@ -61,6 +61,8 @@ class SamplingParams(_Frozen):
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = no limit")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass kept; 1 = no limit")
     stop_token_ids: tuple[int, ...] = Field((), description="extra token ids that end the request (kept in the output)")
+    stop: tuple[str, ...] = Field((), description="strings that end the request; the text is cut before the first "
+                                  "one and the tokens after the one that completed it are dropped (needs a tokenizer)")
     ignore_eos: bool = Field(False, description="do not stop at the tokenizer's EOS")
     seed: int | None = Field(None, ge=0, lt=2**63, description="this request's own random stream: the same request "
                              "with the same seed samples the same tokens whatever else is in the batch; None = "

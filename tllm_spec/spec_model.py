@@ -1,6 +1,7 @@
 """SpecModel: the user-facing entry — load a Hugging Face causal LM with its draft (EAGLE-3 head or MTP
-modules) and decode. It owns one long-lived :class:`Engine`, which owns the :class:`ModelRunner`, which owns the
-one-model step (:class:`OneModel`, the nn.Module)."""
+modules) and decode. It owns one long-lived :class:`EngineLoop` (the thread that owns the GPU) around an
+:class:`Engine`, which owns the :class:`ModelRunner`, which owns the one-model step (:class:`OneModel`, the
+nn.Module). Safe to call from several threads: every call becomes messages to the engine thread."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,8 +11,11 @@ import torch
 
 from .config import Eagle3Config, EngineConfig, MTPConfig, RunConfig, SamplingParams
 from .drafts.base import SpecWorkerBase
+from .engine import streams
+from .engine.async_engine import AsyncEngine
 from .engine.engine import Engine
 from .engine.loader import engine_config_with, load_runner, runner_for_target
+from .engine.loop import EngineLoop
 from .engine.request import GenerationOutputs
 from .engine.runner import ModelRunner
 from .model.target import TargetModel
@@ -22,7 +26,7 @@ class SpecModel:
     """A target with its draft inside its forward, and ``generate`` around it."""
 
     def __init__(self, runner: ModelRunner):
-        self.engine = Engine(runner)
+        self.loop = EngineLoop(Engine(runner))
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, spec_config: Eagle3Config | MTPConfig | None = None,
@@ -50,11 +54,36 @@ class SpecModel:
         return cls.from_pretrained(cfg.target_model or "demo://target", cfg.spec_config, dtype=cfg.dtype,
                                    device=cfg.device, engine_config=cfg.engine)
 
-    @torch.inference_mode()
     def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, seed: int = 0, progress: bool = False) -> GenerationOutputs:
-        """Decode a batch of prompts (strings need the target's tokenizer) to completion."""
-        return self.engine.generate(prompts, sampling_params, seed, progress)
+        """Decode a batch of prompts (strings need the target's tokenizer) to completion. ``seed`` restarts the
+        stream that sampled requests without their own seed draw from. A refused prompt gets a "rejected" output
+        and a warning; Ctrl-C aborts the call's requests and frees their pages before it propagates."""
+        return streams.generate(self.loop, prompts, sampling_params, seed, progress, stacklevel=3)
+
+    def generate_stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                        request_id: str | None = None) -> streams.RequestStream:
+        """One request whose output arrives step by step: ``for out in model.generate_stream(...)`` yields
+        StreamOutputs (new token ids, a text delta; the last has ``finished`` and the whole ``output``). It joins
+        whatever batch is running. Raises ValueError if the request is refused."""
+        ids, error = streams.check_prompt(self.loop, prompt, sampling_params or SamplingParams())
+        if error:
+            raise ValueError(error)
+        return streams.RequestStream(self.loop, ids, streams.as_params(sampling_params or SamplingParams()),
+                                     request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a streaming request early (its pages are freed at the next step boundary)."""
+        self.loop.abort(request_id)
+
+    @property
+    def engine(self) -> Engine:
+        return self.loop.engine
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        """The asyncio face of this model's engine: ``async for out in model.async_engine.generate(...)``."""
+        return AsyncEngine(self.loop)
 
     @property
     def runner(self) -> ModelRunner:

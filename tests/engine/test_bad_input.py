@@ -109,10 +109,12 @@ def test_generate_refuses_mismatched_sampling_params(plain_model):
         plain_model.generate(GOOD[:2], [SamplingParams()] * 3)
 
 
-def test_string_prompt_without_tokenizer(plain_model):
+def test_string_prompt_without_tokenizer_is_refused_alone(plain_model):
     assert plain_model.tokenizer is None
-    with pytest.raises(ValueError, match="tokenizer"):
-        plain_model.generate([GOOD[0], "some text"])
+    with pytest.warns(UserWarning, match="request 1 rejected: a string prompt needs a tokenizer"):
+        good, refused = plain_model.generate([GOOD[0], "some text"], SamplingParams(max_new_tokens=4))
+    assert refused.finish_reason == "rejected" and "tokenizer" in refused.error
+    assert good.finish_reason == "length" and len(good.token_ids) == 4
 
 
 # ---- loading: draft / target mismatch and broken head directories ---------------------------------------------

@@ -127,9 +127,9 @@ def capture_at_free(monkeypatch, model: SpecModel) -> dict[int, tuple[Request, l
         pending[slot] = (snapshot, fed.pop(slot))
         real_free(slot)
 
-    def to_output(self, text):  # the engine calls this right after freeing the request's slot
+    def to_output(self):  # the engine calls this right after freeing the request's slot
         captured[self.index] = (self, *pending.pop(self.slot))
-        return real_to_output(self, text)
+        return real_to_output(self)
 
     monkeypatch.setattr(model.runner.model, "forward", forward)
     monkeypatch.setattr(kv, "free", free)

@@ -1,20 +1,23 @@
 """The engine: owns the model runner; admits requests (reserving KV pages), builds flat step inputs, runs the
-one-model step, appends accepted tokens, stops, frees pages. Long-lived: made once per model."""
+one-model step, appends accepted tokens, stops, frees pages. Long-lived, and driven by one thread (the
+:class:`EngineLoop`'s): requests join the running batch at step boundaries, each step's tokens go out as
+:class:`StreamOutput` through ``on_output``, and every way out of a step returns what its requests hold."""
 from __future__ import annotations
 
+import itertools
 import numbers
+import threading
 import time
-import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm.auto import tqdm
 
 from ..config import SamplingParams
-from .request import AcceptanceStats, DecodeTimer, GenerationOutputs, Request, RequestOutput
+from .detokenizer import Detokenizer
+from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
 from .runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -22,7 +25,9 @@ if TYPE_CHECKING:
 
 
 class Engine:
-    """Runs requests to completion on a :class:`ModelRunner`, batching up to ``max_batch_size`` at a time."""
+    """Runs requests on a :class:`ModelRunner`, batching up to ``max_batch_size`` at a time. Not thread-safe:
+    one thread calls :meth:`add`, :meth:`abort` and :meth:`step` (:class:`EngineLoop` owns that thread);
+    :meth:`check` is read-only and may be called from any thread."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -30,7 +35,13 @@ class Engine:
         self.k = runner.max_draft_len
         self.max_seq_len = runner.max_seq_len
         self.guided_error: str | None = None  # why guided decoding is unavailable (its requests are rejected)
-        self.timer = DecodeTimer()
+        self.timer = DecodeTimer()  # every decode step since the engine was made
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.on_output: Callable[[StreamOutput], None] = lambda out: None
+        self.should_yield: Callable[[], bool] = lambda: False  # news for the engine's thread: stop running ahead
+        self._ids = itertools.count()
+        self._tokenizer_lock = threading.Lock()
         self._last_done = 0.0
         self._buffer = 0
         # two pinned copies of the packed outputs: one per step in flight
@@ -42,59 +53,97 @@ class Engine:
     def tokenizer(self):
         return self.runner.tokenizer
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def encode(self, text: str) -> list[int]:
+        """Any thread: the tokenizer is used under one lock (a Rust tokenizer refuses concurrent borrows)."""
         if self.tokenizer is None:
             raise ValueError("this target directory has no tokenizer: pass token-id lists instead of strings")
-        return self.tokenizer.encode(text)
+        with self._tokenizer_lock:
+            return self.tokenizer.encode(text)
 
     def decode(self, token_ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if self.tokenizer is None:
+            return None
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams
-                 | Sequence[SamplingParams] | None = None, seed: int = 0, progress: bool = False
-                 ) -> GenerationOutputs:
-        """Decode a batch of prompts (strings need the target's tokenizer) to completion."""
-        if not isinstance(prompts, (list, tuple)) or any(not isinstance(p, (str, list, tuple)) for p in prompts):
-            raise TypeError("prompts must be a list of strings or of token-id lists")
-        params = sampling_params or SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        token_prompts = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        if any(p.guided_decoding for p in params) and self.runner.guided_decoder is None:
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run (None: it can). Read-only: any thread may ask."""
+        if not isinstance(params, SamplingParams):
+            return f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        try:  # again: model_copy(update=...) skips validation (a NaN temperature would decode garbage)
+            SamplingParams.model_validate(dict(params))
+        except ValueError as err:
+            return f"invalid sampling params: {err}".replace("\n", "; ")
+        if params.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer; this target directory has none (use stop_token_ids)"
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            return f"stop_token_ids must lie in [0, {self.runner.vocab_size}); got {bad}"
+        return self._validate(prompt, params)
+
+    def add(self, index: int, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request (checked with :meth:`check` first); returns its id. Its grammar is compiled here: a
+        grammar the backend refuses ends the request at once as "rejected"."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.guided_decoding is not None and self.runner.guided_decoder is None:
             self.guided_error = self.runner.enable_guided_decoding()
-        self.runner.prepare_graphs(params)  # once: warm-up and capture before the first timed step
-        return self._run_to_completion(token_prompts, params, seed, progress)
+        matcher, error = self._grammar_matcher(params) if params.guided_decoding else (None, None)
+        request = self._new_request(index, prompt, params, request_id, matcher)
+        if error:
+            request.fail("rejected", error)
+            self.on_output(request.stream_output())
+        else:
+            self.runner.prepare_graphs([params])  # a sampling variant seen for the first time: capture it now
+            self.waiting.append(request)
+        return request_id
 
-    def _run_to_completion(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], seed: int,
-                           progress: bool) -> GenerationOutputs:
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        waiting: deque[Request] = deque()
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            error = self._validate(prompt, p)
-            matcher, error = self._grammar_matcher(p) if error is None and p.guided_decoding else (None, error)
-            if error:
-                warnings.warn(f"request {i} rejected: {error}", stacklevel=4)
-                outputs[i] = RequestOutput(i, list(prompt), [], "rejected", AcceptanceStats(self.k), error=error)
-            else:
-                waiting.append(self._new_request(i, prompt, p, matcher))
-        self.runner.reseed(seed)
-        start, total = time.perf_counter(), AcceptanceStats(self.k)
-        self.timer = DecodeTimer()
-        running: list[Request] = []
-        with tqdm(total=sum(r.max_total_tokens - len(r.prompt) for r in waiting), unit="tok",
-                  disable=not progress, desc="generate") as bar:
-            while waiting or running:
-                batch = self._admit(waiting, len(running)) + running
-                self._run(batch, bar, may_admit=bool(waiting) and len(batch) < self.runner.max_batch_size)
-                for r in batch:
-                    if r.finish_reason:
-                        self.kv.free(r.slot)
-                        outputs[r.index] = r.to_output(self.decode(r.output))
-                        total.merge(r.stats)
-                        bar.update(r.max_total_tokens - len(r.prompt) - len(r.output))
-                running = [r for r in batch if not r.finish_reason]
-        return self._finish(outputs, total, time.perf_counter() - start)
+    def abort(self, request_id: str) -> bool:
+        """End a request now ("abort"): a waiting one leaves the queue, a running one leaves the batch and frees
+        its pages at the end of the step in flight. False if no such request is queued or running."""
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                r.fail("abort")
+                self.on_output(r.stream_output())
+                return True
+        for r in self.running:
+            if r.request_id == request_id and not r.finish_reason:
+                r.fail("abort")
+                return True
+        return False
+
+    def step(self) -> None:
+        """Admit what fits, then run the batch until one of its requests ends or the engine's thread has news;
+        finished requests free their slot and pages before their last output goes out. A step that raises ends
+        its batch's requests with "error" (pages freed, the exception in their last output) and re-raises."""
+        batch = self._admit() + self.running
+        try:
+            self._run(batch, may_admit=bool(self.waiting) and len(batch) < self.runner.max_batch_size)
+        except BaseException as err:
+            for r in batch:
+                if not r.finish_reason:
+                    r.fail("error", f"{type(err).__name__}: {err}", err)
+            raise
+        finally:
+            self._retire(batch)
+
+    def _retire(self, batch: list[Request]) -> None:
+        """Free the finished requests' slots, then hand out their last outputs."""
+        self.running = [r for r in batch if not r.finish_reason]
+        for r in batch:
+            if r.finish_reason:
+                self.kv.free(r.slot)
+                self.on_output(r.stream_output())
+
+    def _emit(self, batch: list[Request]) -> None:
+        """Hand out each running request's new tokens (finished ones go out once their pages are free)."""
+        for r in batch:
+            if not r.finish_reason and len(r.output) > r.num_emitted:
+                self.on_output(r.stream_output())
 
     def _validate(self, prompt: Sequence[int], p: SamplingParams) -> str | None:
         vocab = self.runner.vocab_size
@@ -126,28 +175,27 @@ class Engine:
         # target writes up to K positions past the committed length; draft passes up to 2K - 1
         return min(prompt_len + p.max_new_tokens, self.max_seq_len) + 2 * self.k + 1
 
-    def _new_request(self, index: int, prompt: Sequence[int], p: SamplingParams,
+    def _new_request(self, index: int, prompt: Sequence[int], p: SamplingParams, request_id: str,
                      matcher: GrammarMatcher | None = None) -> Request:
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.runner.eos_token_ids))
+        detokenizer = Detokenizer(self.decode, p.stop) if self.tokenizer is not None else None
         return Request(index, [int(t) for t in prompt], p, frozenset(stop_ids),
                        min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k),
-                       matcher=matcher)
+                       request_id, matcher=matcher, detokenizer=detokenizer)
 
-    def _admit(self, waiting: deque[Request], num_running: int) -> list[Request]:
+    def _admit(self) -> list[Request]:
         """Move waiting requests in (FIFO) while batch slots and KV pages last."""
         admitted: list[Request] = []
-        while waiting and num_running + len(admitted) < self.runner.max_batch_size:
-            r = waiting[0]
+        while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size:
+            r = self.waiting[0]
             needed = self._reserved_tokens(len(r.prompt), r.params)
             if not self.kv.can_allocate(needed):
                 break
             r.slot = self.kv.allocate(needed)
-            admitted.append(waiting.popleft())
-        if not admitted and num_running == 0:
-            raise RuntimeError("no request can be admitted: KV pool smaller than one request's reservation")
+            admitted.append(self.waiting.popleft())
         return admitted
 
-    def _run(self, batch: list[Request], bar: tqdm, may_admit: bool) -> None:
+    def _run(self, batch: list[Request], may_admit: bool) -> None:
         """Steps for ``batch`` until one of its requests ends (or the batch must change). While a graphed batch
         stays as it is, the next step is launched before the host reads this one's outputs (its inputs advanced
         on the device, :meth:`ModelRunner.run_next`), so the host's work hides behind the GPU's; a request
@@ -156,20 +204,21 @@ class Engine:
         step = self._launch(batch)
         while True:
             ahead = self._launch_next(step) if self._can_run_ahead(step, may_admit) else None
-            self._complete(batch, step, bar)
+            self._complete(batch, step)
             if ahead is None:
                 return
             step = ahead
             if any(r.finish_reason for r in batch):
-                self._complete(batch, step, bar)
+                self._complete(batch, step)
                 return
 
     def _can_run_ahead(self, step: _Launched, may_admit: bool) -> bool:
         """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
-        its draft length and has no grammar, with no waiting request it could admit. (A step run ahead for a
+        its draft length and has no grammar, with no waiting request it could admit and no news for the engine's
+        thread (a new request, an abort). (A step run ahead for a
         request that has just ended writes K/V at most K + 1 positions past what the request reserved: into the
         scratch page, :attr:`ModelRunner.max_positions_per_request`.)"""
-        return not step.has_context and not may_admit and self.runner.can_run_next()
+        return not step.has_context and not may_admit and self.runner.can_run_next() and not self.should_yield()
 
     def _launch(self, batch: list[Request]) -> _Launched:
         """Build the step's flat inputs on the host (context requests first) and launch it. Generation requests
@@ -213,7 +262,7 @@ class Engine:
         return _Launched(host, ready, draft_len, next_draft_len, has_context, chained, start,
                          time.perf_counter() - start)
 
-    def _complete(self, batch: list[Request], step: _Launched, bar: tqdm) -> None:
+    def _complete(self, batch: list[Request], step: _Launched) -> None:
         """Wait for the step's outputs and update its requests on the host (a request that has already ended
         skips its rows: they come from a step launched ahead)."""
         if step.ready is not None:
@@ -231,23 +280,13 @@ class Engine:
                 if step.draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
                     r.stats.record(n, step.draft_len)
             r.next_input = row[self.k + 2:self.k + 3 + step.next_draft_len]
-            before = len(r.output)
             r.accept(row[:n])
-            bar.update(len(r.output) - before)
         done = time.perf_counter()
         if not step.has_context and any(live):  # a chained step's time runs from the previous step's end
             began = self._last_done if step.chained else step.start
             self.timer.record(done - began, step.host_seconds + (done - waited), sum(live))
         self._last_done = done
-
-    def _finish(self, outputs: list[RequestOutput | None], total: AcceptanceStats,
-                seconds: float) -> GenerationOutputs:
-        result = GenerationOutputs(outputs)
-        num_tokens = sum(len(o.token_ids) for o in outputs)
-        result.stats = {"num_requests": len(outputs), "num_tokens": num_tokens, "seconds": round(seconds, 4),
-                        "tokens_per_second": round(num_tokens / seconds, 2) if seconds > 0 else 0.0,
-                        **total.summary(), **self.timer.summary()}
-        return result
+        self._emit(batch)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import SamplingParams
+from .detokenizer import Detokenizer
 
 if TYPE_CHECKING:
     from ..guided.grammar import GrammarMatcher
@@ -61,8 +62,8 @@ class AcceptanceStats:
 
 @dataclass
 class RequestOutput:
-    """What generate() returns per prompt. ``finish_reason``: "stop" (a stop token, or the request's grammar is
-    complete), "length", "rejected" or "error" (see ``error``)."""
+    """What generate() returns per prompt. ``finish_reason``: "stop" (a stop token or stop string, or the
+    request's grammar is complete), "length", "abort", "rejected" or "error" (see ``error``)."""
 
     index: int
     prompt_token_ids: list[int]
@@ -71,6 +72,25 @@ class RequestOutput:
     stats: AcceptanceStats
     text: str | None = None
     error: str | None = None
+    request_id: str = ""
+
+
+@dataclass
+class StreamOutput:
+    """One step's news of a request: the tokens it accepted (``token_ids``, 1..K+1 of them, fewer where a stop
+    ended it) and the text they completed (``text``: a delta; None without a tokenizer). The last one has
+    ``finished`` set and ``output`` (the whole RequestOutput); ``exception`` is what a failed step raised."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    finished: bool = False
+    output: RequestOutput | None = None
+    exception: BaseException | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason if self.output is not None else None
 
 
 @dataclass
@@ -83,27 +103,38 @@ class Request:
     stop_ids: frozenset[int]
     max_total_tokens: int  # prompt + generated may not exceed this (max_seq_len and max_new_tokens)
     stats: AcceptanceStats
+    request_id: str = ""
     slot: int = -1
     num_cached: int = 0  # positions whose target K/V are committed
     next_input: list[int] = field(default_factory=list)  # [last token, drafts] for the next step
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
+    exception: BaseException | None = None
     matcher: GrammarMatcher | None = None  # the request's grammar state (guided decoding), advanced on the host
+    detokenizer: Detokenizer | None = None  # text and stop strings; None without a tokenizer
+    num_emitted: int = 0  # output tokens already handed out as StreamOutputs
 
     @property
     def is_context(self) -> bool:
         return self.num_cached == 0
 
     def append(self, tokens: list[int]) -> None:
-        """Append accepted tokens, stopping at a stop id or the length limit (the rest is trimmed)."""
+        """Append accepted tokens, stopping at a stop id, a stop string or the length limit (the rest is
+        trimmed)."""
+        kept = []
         for token in tokens:
-            self.output.append(token)
+            kept.append(token)
             if token in self.stop_ids:
                 self.finish_reason = "stop"
-            elif len(self.prompt) + len(self.output) >= self.max_total_tokens:
+            elif len(self.prompt) + len(self.output) + len(kept) >= self.max_total_tokens:
                 self.finish_reason = "length"
             if self.finish_reason:
-                return
+                break
+        if self.detokenizer is not None:
+            kept = kept[:self.detokenizer.push(kept)]
+            self.finish_reason = "stop" if self.detokenizer.stopped else self.finish_reason
+        self.output.extend(kept)
 
     def accept(self, tokens: list[int]) -> None:
         """Append a step's accepted tokens, first following them through the grammar (which may end the request
@@ -114,11 +145,26 @@ class Request:
         self.append(tokens)
         self.finish_reason = self.finish_reason or grammar_finish
 
-    def to_output(self, text: str | None) -> RequestOutput:
-        error = "an accepted token broke the grammar (forced or relaxed acceptance)" \
-            if self.finish_reason == "error" else None
+    def fail(self, reason: str, error: str | None = None, exception: BaseException | None = None) -> None:
+        """End the request now ("abort", "error")."""
+        self.finish_reason, self.error, self.exception = reason, error, exception
+
+    def stream_output(self) -> StreamOutput:
+        """The tokens and text not handed out yet; with the whole output once the request has finished."""
+        finished = self.finish_reason is not None
+        if finished and self.detokenizer is not None:
+            self.detokenizer.finish()
+        text = self.detokenizer.take_delta(finished) if self.detokenizer is not None else None
+        new, self.num_emitted = self.output[self.num_emitted:], len(self.output)
+        return StreamOutput(self.request_id, new, text, finished, self.to_output() if finished else None,
+                            self.exception)
+
+    def to_output(self) -> RequestOutput:
+        error = self.error or ("an accepted token broke the grammar (forced or relaxed acceptance)"
+                               if self.finish_reason == "error" else None)
+        text = self.detokenizer.text if self.detokenizer is not None else None
         return RequestOutput(self.index, self.prompt, self.output, self.finish_reason or "length", self.stats, text,
-                             error)
+                             error, self.request_id)
 
 
 class GenerationOutputs(list):
@@ -141,6 +187,11 @@ class DecodeTimer:
         self.seconds += seconds
         self.host_seconds += host_seconds
         self.request_steps += batch_size
+
+    def minus(self, before: DecodeTimer) -> DecodeTimer:
+        """The steps recorded since ``before`` was copied."""
+        return DecodeTimer(self.steps - before.steps, self.seconds - before.seconds,
+                           self.host_seconds - before.host_seconds, self.request_steps - before.request_steps)
 
     def summary(self) -> dict[str, float]:
         steps = max(self.steps, 1)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RunConfig, SamplingParams
-from ..engine.engine import GenerationOutputs
+from ..engine.request import GenerationOutputs
 from ..spec_model import SpecModel
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import Eagle3Config
-from ..engine.engine import GenerationOutputs
+from ..engine.request import GenerationOutputs
 
 if TYPE_CHECKING:
     from ..config import RunConfig, SpecConfig

@@ -1,0 +1,148 @@
+"""EngineLoop: the one thread that owns the GPU. It drives the :class:`Engine`; every other thread (a caller of
+``generate``, a stream's consumer, the server's event loop) only exchanges messages with it, so the model is
+safe to use from many threads at once."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..config import SamplingParams
+from .engine import Engine
+from .request import DecodeTimer, StreamOutput
+
+log = logging.getLogger("tllm_spec.engine")
+Deliver = Callable[[StreamOutput], None]
+
+
+class EngineLoop:
+    """Messages in (add, abort, call), stream outputs out, one callback per request. The thread starts on the
+    first message and runs as long as the process (a daemon)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._deliver: dict[str, Deliver] = {}  # the engine thread's own: request id -> its callback
+        self._live: set[str] = set()  # ids submitted and not finished; guarded by _lock
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._num_threads = torch.get_num_threads()  # intra-op threads of the thread that made the model
+        engine.on_output = self._on_output
+        engine.should_yield = lambda: not self._inbox.empty()
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Deliver, request_id: str | None = None,
+               index: int = 0) -> str:
+        """Queue a request (already checked with ``engine.check``); ``deliver`` is called on the engine thread
+        with each of its StreamOutputs. Returns its id; a duplicate live id raises ValueError."""
+        return self.submit_batch([(prompt, params, request_id, index)], deliver)[0]
+
+    def submit_batch(self, requests: Sequence[tuple[Sequence[int], SamplingParams, str | None, int]], deliver: Deliver,
+                     seed: int | None = None) -> list[str]:
+        """Queue (prompt, params, request id or None, index) requests in one message, so the engine takes them
+        all before its next step (and restarts the batch random stream at ``seed`` first, if given)."""
+        ids = [request_id or uuid.uuid4().hex for _, _, request_id, _ in requests]
+        with self._lock:
+            taken = [i for i in ids if i in self._live] + [i for n, i in enumerate(ids) if i in ids[:n]]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already running")
+            self._live.update(ids)
+        items = [(request_id, index, list(prompt), params) for request_id, (prompt, params, _, index)
+                 in zip(ids, requests)]
+        self._post(("add", items, deliver, seed))
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """End a request at the next step boundary ("abort"); its pages are freed there. Unknown ids are
+        ignored (the request may have just finished)."""
+        self._post(("abort", request_id))
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the engine thread between steps and return its result (or raise its exception)."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._post(("call", fn, done))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def timer(self) -> DecodeTimer:
+        """A copy of the engine's decode-step timer, taken between steps."""
+        return self.call(lambda: DecodeTimer(**vars(self.engine.timer)))
+
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _post(self, message: tuple) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="tllm_spec-engine", daemon=True)
+                self._thread.start()
+        self._inbox.put(message)
+
+    def _on_output(self, out: StreamOutput) -> None:
+        deliver = self._deliver.pop(out.request_id) if out.finished else self._deliver.get(out.request_id)
+        if out.finished:
+            with self._lock:
+                self._live.discard(out.request_id)
+        if deliver is not None:
+            try:
+                deliver(out)
+            except Exception:  # a consumer that is gone (a closed event loop) must not fail the step
+                log.exception("could not deliver an output of request %s", out.request_id)
+
+    def _serve(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        if self.engine.runner.device.type == "cuda":
+            torch.cuda.set_device(self.engine.runner.device)
+        with torch.inference_mode():
+            while True:
+                if self.engine.num_requests == 0:  # idle: sleep until a message comes
+                    self._handle(self._inbox.get())
+                while not self._inbox.empty():
+                    self._handle(self._inbox.get())
+                if self.engine.num_requests:
+                    self._step()
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as err:  # the failed step's requests have ended with "error"; keep serving the others
+            log.exception("a decoding step failed; its requests ended with finish_reason 'error'")
+            self._orphans_fail(err)
+
+    def _orphans_fail(self, err: Exception) -> None:
+        """Requests the engine no longer holds but whose last output never went out end with ``err``."""
+        held = {r.request_id for r in (*self.engine.waiting, *self.engine.running)}
+        for request_id in [i for i in self._deliver if i not in held]:
+            self._on_output(StreamOutput(request_id, [], None, True, None, err))
+
+    def _add(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, deliver: Deliver) -> None:
+        self._deliver[request_id] = deliver
+        try:
+            self.engine.add(index, prompt, params, request_id)
+        except Exception as err:  # e.g. a capture that failed: this request alone ends
+            log.exception("request %s could not be queued", request_id)
+            self._on_output(StreamOutput(request_id, [], None, True, None, err))
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, items, deliver, seed = message
+            if seed is not None:
+                self.engine.runner.reseed(seed)
+            for request_id, index, prompt, params in items:
+                self._add(request_id, index, prompt, params, deliver)
+        elif kind == "abort":
+            self.engine.abort(message[1])
+        elif kind == "call":
+            _, fn, done = message
+            try:
+                done.put((True, fn()))
+            except Exception as err:
+                done.put((False, err))
