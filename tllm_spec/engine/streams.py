@@ -18,16 +18,33 @@ _ABORT_WAIT_S = 30.0  # how long an interrupted caller waits for its requests' p
 
 
 class RequestStream:
-    """``for out in stream``: the request's StreamOutputs, the last with ``finished``. Leaving the loop early
-    (break, an exception, Ctrl-C) aborts the request; a step that failed raises its exception here."""
+    """``for out in stream``: the request's StreamOutputs, the last with ``finished``; a step that failed raises
+    its exception here. One iterator for the stream's life (``next(iter(s))`` then ``list(s)`` see every
+    output once). ``close()`` (or leaving ``with stream:``, or the stream being garbage collected, or an exception
+    or Ctrl-C while iterating) aborts a request that has not finished."""
 
     def __init__(self, loop: EngineLoop, prompt: list[int], params: SamplingParams, request_id: str | None = None):
         self.loop = loop
         self._queue: queue.SimpleQueue[StreamOutput] = queue.SimpleQueue()
         self.request_id = loop.submit(prompt, params, self._queue.put, request_id)
         self.finished = False
+        self._outputs = self._generate()
 
     def __iter__(self) -> Iterator[StreamOutput]:
+        return self._outputs
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._outputs.close()
+        if not self.finished:
+            self.loop.abort(self.request_id)
+
+    def _generate(self) -> Iterator[StreamOutput]:
         try:
             while not self.finished:
                 out = self._queue.get()
