@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20", "httpx>=0.27"]  # httpx: bench-serve
+
 setup(
     name="tllm_spec",
     version="0.1.0",
@@ -18,9 +20,12 @@ setup(
     ],
     extras_require={
         # triton: the kernels are checked against their references under its CPU interpreter
-        "test": ["pytest>=8", "scipy>=1.10", "triton>=3.0", "llguidance>=1.0", "jsonschema>=4"],
+        "test": ["pytest>=8", "scipy>=1.10", "triton>=3.0", "llguidance>=1.0", "jsonschema>=4", *SERVE,
+                 "openai>=1.30"],
         "guided": ["llguidance>=1.0"],
+        "serve": SERVE,
         "gpu": ["flashinfer-python>=0.7", "triton>=3.0"],
         "plot": ["matplotlib>=3.7"],
     },
+    entry_points={"console_scripts": ["tllm-spec=tllm_spec.serve.cli:main"]},
 )

@@ -1,0 +1,168 @@
+"""The FastAPI app: ``build_app(model, model_name, api_key, max_queue)``.
+
+Routes: POST /v1/completions and /v1/chat/completions (``stream`` false: one JSON body; true: server-sent events),
+GET /v1/models, GET /metrics (Prometheus text), GET /health (no key needed). A request is checked by the engine
+(``AsyncEngine.check``) before it is admitted, so a refused one answers 400 and never starts a 200 stream. At most
+``max_queue`` requests are in flight (admitted and not yet answered in full); beyond that, 429. With ``api_key``
+every route but /health answers 401 without ``Authorization: Bearer KEY``."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..config import SamplingParams
+from ..spec_model import SpecModel
+from .errors import APIError, install_error_handlers
+from .generation import EventStream, Job, event_stream, run_to_end
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .template import ChatTemplate
+
+DEFAULT_MAX_QUEUE = 256
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of max_seq_len
+
+
+class Admission:
+    """Counts requests in flight (on the event loop's thread only); ``enter`` past ``max_in_flight`` is a 429."""
+
+    def __init__(self, max_in_flight: int):
+        self.max_in_flight = max_in_flight
+        self.num_in_flight = 0
+
+    def enter(self) -> None:
+        if self.num_in_flight >= self.max_in_flight:
+            raise APIError(429, f"the server is overloaded ({self.num_in_flight} requests in flight, the limit "
+                           f"is {self.max_in_flight}); retry later", code="overloaded")
+        self.num_in_flight += 1
+
+    def leave(self) -> None:
+        self.num_in_flight -= 1
+
+
+class Server:
+    """What the routes share: the engine, the served name, the metrics, admission and the chat template."""
+
+    def __init__(self, model: SpecModel, model_name: str, max_queue: int):
+        self.engine = model.async_engine
+        self.model_name = model_name
+        self.max_seq_len = model.engine.max_seq_len
+        self.metrics = ServerMetrics(self.engine, model.max_draft_len)
+        self.admission = Admission(max_queue)
+        self.template = ChatTemplate(model.tokenizer, model.encode)
+        self.created = int(time.time())
+
+    async def generate(self, body: CompletionRequest | ChatCompletionRequest, prompt: str | list[int],
+                       request: Request) -> Response:
+        """Check, admit and run one request; a stream keeps its admission until its last event is sent."""
+        params = self._sampling_params(body)
+        self.admission.enter()
+        try:
+            job = await self._job(body, prompt, params)
+        except BaseException:
+            self.admission.leave()
+            raise
+        if body.stream:
+            return EventStream(event_stream(self.engine, job), on_close=self.admission.leave)
+        try:
+            result = await run_to_end(self.engine, job, request.is_disconnected)
+        finally:
+            self.admission.leave()
+        return JSONResponse(result.model_dump(mode="json"))
+
+    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """404 for another model's name; 400 for a field not supported or a sampling value the engine refuses."""
+        if body.model not in (None, self.model_name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+        body.refuse_unsupported()
+        chat = isinstance(body, ChatCompletionRequest)
+        return body.sampling_params(self.max_seq_len if chat else COMPLETION_MAX_TOKENS)
+
+    async def _job(self, body: CompletionRequest | ChatCompletionRequest, prompt: str | list[int],
+                   params: SamplingParams) -> Job:
+        """The engine's verdict on the request (400 if refused), then the job that runs it."""
+        chat = isinstance(body, ChatCompletionRequest)
+        ids, error = await asyncio.to_thread(self.engine.check, prompt, params)  # tokenizes: off the event loop
+        if error:
+            self.metrics.reject()
+            param = "stop_token_ids" if error.startswith("stop_token_ids") else "messages" if chat else "prompt"
+            raise APIError(400, error, param)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return Job(request_id, ids, params, self.model_name, chat, self.metrics.track(len(ids)), body.include_usage,
+                   body.continuous_usage)
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+routes = APIRouter()
+
+
+@routes.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await _server(request).generate(body, body.single_prompt(), request)
+
+
+@routes.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    server = _server(request)
+    return await server.generate(body, server.template.render(body.text_messages()), request)
+
+
+@routes.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    server = _server(request)
+    return ModelList(data=[ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_seq_len)])
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    server_metrics = _server(request).metrics
+    return Response(server_metrics.render(), media_type=server_metrics.content_type)
+
+
+@routes.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+class BearerAuth:
+    """ASGI middleware: 401 (OpenAI's error body) for any request but /health without the key, before its body
+    is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(model: SpecModel, model_name: str, api_key: str | None = None,
+              max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
+    """The OpenAI-compatible app over ``model``'s engine (see the module docstring)."""
+    if model.tokenizer is None:
+        raise ValueError("serving needs the target's tokenizer (text in and out); this target directory has none")
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    app = FastAPI(title="tllm_spec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = Server(model, model_name, max_queue)
+    install_error_handlers(app)
+    app.include_router(routes)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    return app

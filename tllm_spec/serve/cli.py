@@ -1,0 +1,117 @@
+"""tllm-spec, the command line: "tllm-spec serve" runs the OpenAI-compatible server under uvicorn.
+
+    tllm-spec serve                                   # the embedded demo pair, EAGLE-3 head, K=3
+    tllm-spec serve --mtp                             # the demo target with its MTP module
+    tllm-spec serve /models/llama --draft /models/eagle3 -k 3 --api-key KEY --port 8000
+    tllm-spec serve /models/llama                     # a target alone: plain decoding
+
+A TARGET without --draft or --mtp decodes plainly (the demo's EAGLE-3 head only fits the demo target). Usage and
+configuration errors are one line on stderr ("tllm-spec: error: ...") and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import uvicorn
+
+from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, MTPConfig
+from ..spec_model import SpecModel
+from .app import DEFAULT_MAX_QUEUE, build_app
+
+PROG = "tllm-spec"
+DEMO_EAGLE3 = "demo://eagle3"
+DEMO_MODEL_NAME = "tllm-spec-demo"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of the usage and then the error
+        print(f"{PROG}: error: {' '.join(message.splitlines())}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    return parser
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", nargs="?", help=f"HF causal-LM directory (default: the embedded demo target, "
+                   f"{DEMO_TARGET})")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="EAGLE-3 head directory")
+    draft.add_argument("--mtp", action="store_true", help="MTP modules (the target's own; the demo's ships beside it)")
+    draft.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
+    p.add_argument("-k", "--max-draft-len", type=int, default=3, help="drafts proposed per step (default 3)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--served-model-name", help=f"the model name clients send (default: TARGET, or "
+                   f"{DEMO_MODEL_NAME})")
+    p.add_argument("--max-batch-size", type=int, help="requests decoded together (default: the engine's)")
+    p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens (default: the target's)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests in flight before 429")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=serve)
+
+
+def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
+    """The draft the flags ask for: on the demo target its EAGLE-3 head unless --mtp or --no-spec; on another
+    target none unless --draft or --mtp."""
+    demo = args.target in (None, DEMO_TARGET)
+    if args.no_spec:
+        return None
+    if args.mtp:
+        return MTPConfig(max_draft_len=args.max_draft_len, mtp_checkpoint=DEMO_MTP if demo else None)
+    if args.draft or demo:
+        return Eagle3Config(speculative_model=args.draft or DEMO_EAGLE3, max_draft_len=args.max_draft_len)
+    return None
+
+
+def load_model(args: argparse.Namespace) -> SpecModel:
+    engine_kwargs = {name: value for name, value in (("max_batch_size", args.max_batch_size),
+                                                     ("max_seq_len", args.max_seq_len)) if value is not None}
+    return SpecModel.from_pretrained(args.target or DEMO_TARGET, spec_config_of(args), dtype=args.dtype,
+                                     device=args.device, **engine_kwargs)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, printing one line once it listens."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str):
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            print(f"{PROG}: serving {self.model_name} on http://{self.config.host}:{port}", flush=True)
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        model = load_model(args)
+        name = args.served_model_name or (DEMO_MODEL_NAME if args.target in (None, DEMO_TARGET) else args.target)
+        app = build_app(model, name, args.api_key, args.max_queue)
+    except (ValueError, OSError, NotImplementedError) as err:  # pydantic's ValidationError is a ValueError
+        _Parser(prog=PROG).error(f"{type(err).__name__}: {err}")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    _Uvicorn(config, name).run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

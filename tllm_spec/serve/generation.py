@@ -1,0 +1,173 @@
+"""One admitted request run against the engine: to its end (one JSON body) or as server-sent events.
+
+A stream is ``data: {chunk}\\n\\n`` per step that completed text, the last content chunk carrying
+``finish_reason``, an optional usage chunk (``stream_options.include_usage``), then ``data: [DONE]\\n\\n``. A request
+that fails after its 200 sends ``data: {"error": {...}}`` before ``[DONE]``. Leaving early (a client that
+disconnects) closes the engine's generator, which aborts the request and frees its pages at the next step."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..config import SamplingParams
+from ..engine.async_engine import AsyncEngine
+from ..engine.request import RequestOutput, StreamOutput
+from .errors import APIError
+from .metrics import RequestTracker
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    Usage,
+)
+
+log = logging.getLogger("tllm_spec.serve")
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass
+class Job:
+    """An admitted request: what the engine runs and what its responses are stamped with."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    model_name: str
+    chat: bool
+    tracker: RequestTracker
+    include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries the usage so far
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
+        head = {"id": self.request_id, "created": self.created, "model": self.model_name, "usage": usage}
+        if self.chat:
+            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+            return ChatCompletionResponse(**head, choices=[choice])
+        return CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+
+    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False,
+              usage: Usage | None = None) -> BaseModel:
+        """A stream chunk; ``text=None`` is the usage chunk (no choices)."""
+        head = {"id": self.request_id, "created": self.created, "model": self.model_name, "usage": usage}
+        if self.chat:
+            delta = DeltaMessage(role="assistant" if first else None, content=text)
+            choices = [] if text is None else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+            return ChatCompletionChunk(**head, choices=choices)
+        choices = [] if text is None else [CompletionChoice(text=text, finish_reason=finish_reason)]
+        return CompletionResponse(**head, choices=choices)
+
+    def usage(self, output: RequestOutput) -> Usage:
+        return Usage.of(len(self.prompt_ids), len(output.token_ids))
+
+
+async def _outputs(engine: AsyncEngine, job: Job) -> AsyncIterator[StreamOutput]:
+    """The engine's outputs, each reported to the job's tracker; closing this aborts the request."""
+    try:
+        async with aclosing(engine.generate(job.prompt_ids, job.params, job.request_id)) as outputs:
+            async for out in outputs:
+                job.tracker.observe(out)
+                yield out
+    except Exception:
+        job.tracker.close("error")
+        raise
+    finally:
+        job.tracker.close("abort")  # no-op when the request finished
+
+
+def finish_reason_of(output: RequestOutput) -> str:
+    """The response's finish reason, "stop" or "length"; an abort, an engine error or a late rejection (a grammar
+    the engine could not compile) is an APIError instead."""
+    if output.finish_reason in ("stop", "length"):
+        return output.finish_reason
+    if output.finish_reason == "rejected":
+        raise APIError(400, output.error or "the engine rejected the request")
+    if output.finish_reason == "abort":
+        raise APIError(503, "the request was aborted by the server", code="aborted")
+    raise APIError(500, f"generation failed: {output.error or 'engine error'}")
+
+
+def _engine_failure(err: Exception) -> APIError:
+    log.error("request failed in the engine: %s: %s", type(err).__name__, err)
+    return APIError(500, f"generation failed: {type(err).__name__}: {err}")
+
+
+async def run_to_end(engine: AsyncEngine, job: Job, disconnected: Callable[[], Awaitable[bool]]) -> BaseModel:
+    """The whole response. Between steps it asks ``disconnected``: a client gone aborts the request."""
+    output = None
+    try:
+        async with aclosing(_outputs(engine, job)) as outputs:
+            async for out in outputs:
+                if out.finished:
+                    output = out.output
+                elif await disconnected():
+                    raise APIError(499, "the client disconnected", code="client_disconnected")
+    except APIError:
+        raise
+    except Exception as err:  # a failed step's exception, re-raised by AsyncEngine.generate
+        raise _engine_failure(err) from err
+    return job.response(output.text or "", finish_reason_of(output), job.usage(output))
+
+
+async def event_stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
+    """Server-sent events of the request (see the module docstring)."""
+    try:
+        async with aclosing(_events(engine, job)) as events:
+            async for event in events:
+                yield event
+    except APIError as err:
+        yield err.event()
+    except Exception as err:  # noqa: BLE001 (a failed step's exception, whatever it is, ends the stream)
+        yield _engine_failure(err).event()
+    yield DONE_EVENT
+
+
+async def _events(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
+    first, num_tokens = True, 0
+    async with aclosing(_outputs(engine, job)) as outputs:
+        async for out in outputs:
+            num_tokens += len(out.token_ids)
+            finish_reason = finish_reason_of(out.output) if out.finished else None
+            if out.text or out.finished:
+                usage = Usage.of(len(job.prompt_ids), num_tokens) if job.continuous_usage else None
+                yield _event(job.chunk(out.text or "", finish_reason, first, usage))
+                first = False
+            if out.finished and job.include_usage:
+                yield _event(job.chunk(None, None, usage=job.usage(out.output)))
+
+
+def _event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response that always closes its generator (a client that disconnects while a chunk is
+    being sent would otherwise leave it suspended until garbage collection) and then calls ``on_close``."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events, self.on_close = events, on_close
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.events.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

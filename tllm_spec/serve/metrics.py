@@ -1,0 +1,110 @@
+"""Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one process).
+
+Gauges read from ``AsyncEngine.state()`` at scrape time: ``tllm_spec_requests_running``,
+``tllm_spec_requests_waiting``, ``tllm_spec_kv_free_pages`` (and ``tllm_spec_kv_pages``). Histograms:
+``tllm_spec_time_to_first_token_seconds``, ``tllm_spec_time_per_output_token_seconds`` (first to last token),
+``tllm_spec_accepted_tokens_per_step`` (tokens a generation step accepted, bonus included: 1..K+1). Counters:
+``tllm_spec_requests_total{finish_reason}`` (stop, length, abort, error, rejected),
+``tllm_spec_prompt_tokens_total``, ``tllm_spec_generation_tokens_total``."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.request import RequestOutput, StreamOutput
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """The engine's occupancy, read when scraped."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.engine.state()
+        yield GaugeMetricFamily("tllm_spec_requests_running", "requests in the decoding batch", state.num_running)
+        yield GaugeMetricFamily("tllm_spec_requests_waiting", "requests queued for a batch slot", state.num_waiting)
+        yield GaugeMetricFamily("tllm_spec_kv_free_pages", "free KV-cache pages", state.num_free_kv_pages)
+        yield GaugeMetricFamily("tllm_spec_kv_pages", "KV-cache pages in the pool", state.num_kv_pages)
+
+
+class ServerMetrics:
+    """The app's registry and the instruments that requests report to."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: AsyncEngine, max_draft_len: int):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        reg = self.registry
+        self.time_to_first_token = Histogram("tllm_spec_time_to_first_token_seconds", "request arrival to its first "
+                                             "generated token", buckets=_TTFT_BUCKETS, registry=reg)
+        self.time_per_output_token = Histogram("tllm_spec_time_per_output_token_seconds", "first to last token, "
+                                               "per token after the first", buckets=_TPOT_BUCKETS, registry=reg)
+        self.accepted_tokens_per_step = Histogram("tllm_spec_accepted_tokens_per_step", "tokens a generation step "
+                                                  "accepted, bonus included", registry=reg,
+                                                  buckets=tuple(range(1, max_draft_len + 2)))
+        self.requests = Counter("tllm_spec_requests", "finished requests by finish reason", ["finish_reason"],
+                                registry=reg)
+        self.prompt_tokens = Counter("tllm_spec_prompt_tokens", "prompt tokens of admitted requests", registry=reg)
+        self.generation_tokens = Counter("tllm_spec_generation_tokens", "generated tokens", registry=reg)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self, num_prompt_tokens: int) -> RequestTracker:
+        """Start timing an admitted request (now is its arrival)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestTracker(self)
+
+    def reject(self) -> None:
+        """A request the engine refused before it started."""
+        self.requests.labels(finish_reason="rejected").inc()
+
+
+class RequestTracker:
+    """One request's timings, fed each StreamOutput; ``close`` records an early end: "abort" (the client left) or
+    "error" (the engine failed)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.num_tokens = 0
+        self.done = False
+
+    def observe(self, out: StreamOutput) -> None:
+        now = time.perf_counter()
+        if out.token_ids and self.first_token_time is None:
+            self.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - self.start)
+        self.num_tokens += len(out.token_ids)
+        self.metrics.generation_tokens.inc(len(out.token_ids))
+        if out.finished and out.output is not None:
+            self._finish(out.output.finish_reason, now, out.output)
+
+    def close(self, finish_reason: str) -> None:
+        if not self.done:
+            self._finish(finish_reason, time.perf_counter())
+
+    def _finish(self, finish_reason: str, now: float, output: RequestOutput | None = None) -> None:
+        self.done = True
+        self.metrics.requests.labels(finish_reason=finish_reason).inc()
+        if self.first_token_time is not None and self.num_tokens > 1:
+            self.metrics.time_per_output_token.observe((now - self.first_token_time) / (self.num_tokens - 1))
+        for num_accepted in output.stats.accepted_per_step if output is not None else ():
+            self.metrics.accepted_tokens_per_step.observe(num_accepted)
