@@ -131,7 +131,8 @@ class MTPConfig(_Frozen):
 
     decoding_type: Literal["mtp"] = "mtp"
     num_nextn_predict_layers: int = Field(1, ge=1, le=16, description="MTP modules to load from the checkpoint")
-    max_draft_len: int | None = Field(None, ge=1, le=16, description="K; default num_nextn_predict_layers")
+    max_draft_len: int | None = Field(None, ge=1, le=16, description="K; default 3 for MTP-Eagle (as EAGLE-3), "
+                                      "num_nextn_predict_layers for vanilla MTP")
     draft_len_schedule: dict[int, int] | None = Field(None, description=_SCHEDULE_DESCRIPTION + " (MTP-Eagle only)")
     use_mtp_vanilla: bool = Field(False, description="N distinct modules applied in sequence (TRT-LLM MTP)")
     mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
@@ -173,7 +174,9 @@ class MTPConfig(_Frozen):
 
     @property
     def num_draft_tokens(self) -> int:
-        return self.max_draft_len or self.num_nextn_predict_layers
+        if self.max_draft_len is not None:
+            return self.max_draft_len
+        return self.num_nextn_predict_layers if self.use_mtp_vanilla else max(3, self.num_nextn_predict_layers)
 
     @property
     def spec_dec_mode(self) -> SpeculativeDecodingMode:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tllm_spec import Eagle3Config, SamplingParams, SpecModel
+from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in ", "# 日本語 — é\n"]
 
@@ -182,3 +182,10 @@ def test_async_engine_streams_and_aborts_on_cancel(demo):
     assert asyncio.run(main()) == expected.text
     wait_until_idle(demo)
     assert free_state(demo) == baseline
+
+
+def test_mtp_default_on_the_demo_drafts_like_eagle3():
+    model = SpecModel.from_pretrained("demo://target", MTPConfig(), dtype="float32", device="cpu", max_batch_size=2)
+    assert model.max_draft_len == 3  # MTP-Eagle's default K, as EAGLE-3's; the demo's module found beside the target
+    outs = model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=24))
+    assert outs.stats["mean_accepted_length"] > 1.5 and all(o.finish_reason in ("stop", "length") for o in outs)

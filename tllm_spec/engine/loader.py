@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .. import demo
-from ..config import Eagle3Config, EngineConfig, MTPConfig
+from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, EngineConfig, MTPConfig
 from ..distributed.parallel import TensorParallel, local_process_device
 from ..drafts.base import SpecWorkerBase
 from ..drafts.eagle3.worker import build_eagle3_worker
@@ -34,6 +34,8 @@ def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: t
     device = resolve_device(device)
     parallel = _tensor_parallel(engine_config, spec_config, device)
     device = local_process_device(device) if parallel else device
+    if str(target_dir) == DEMO_TARGET and isinstance(spec_config, MTPConfig) and spec_config.mtp_checkpoint is None:
+        spec_config = spec_config.model_copy(update={"mtp_checkpoint": DEMO_MTP})  # shipped beside the target
     target_dir = demo.resolve(target_dir)
     target = TargetModel.load(target_dir, resolve_dtype(dtype, device), device, parallel)
     return runner_for_target(target, spec_config, engine_config, load_tokenizer(target_dir))
