@@ -38,3 +38,9 @@ def test_a_target_that_does_not_exist_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", str(tmp_path / "missing"), "--device", "cpu"])
     assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_bench_serve_is_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench-serve", "--help"])
+    assert exit_.value.code == 0 and "tllm-spec bench-serve" in capsys.readouterr().out

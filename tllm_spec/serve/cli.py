@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    commands.add_parser("bench-serve", help="load an OpenAI-compatible server and measure TTFT / TPOT / ITL "
+                        "(tllm-spec bench-serve --help)")
     return parser
 
 
@@ -109,6 +111,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench-serve"]:  # the load generator: a tool above the server, imported only when asked for
+        from ..tools.bench_serving_cli import main as bench_serve
+        bench_serve(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     return args.run(args)
 
