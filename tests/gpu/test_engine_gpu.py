@@ -215,7 +215,7 @@ def test_draft_len_schedule_in_graphs_equals_eager(rejection, monkeypatch):
         assert x.token_ids == y.token_ids
         if params[i].is_greedy:
             assert x.token_ids == hf_greedy(target, p, n)
-    keys = models[0].graph_runner.graphs
+    keys = models[0].runner.graph_runner.graphs
     assert {(size, k) for size, k, next_k, *_ in keys if k == next_k} >= {(1, 3), (2, 2), (4, 1), (4, 0)}
     assert any(k != next_k for _, k, next_k, *_ in keys)  # a step that changed the length replayed its own graph
 
