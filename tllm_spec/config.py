@@ -70,6 +70,11 @@ class SamplingParams(_Frozen):
     guided_decoding: GuidedDecodingParams | None = Field(
         None, description="constrain the output to a grammar (needs the target's tokenizer and the 'guided' extra); "
         "the request ends when the grammar is complete")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="None = off; N: each output token's logprob and the N most likely tokens "
+        "(RequestOutput.logprobs / top_logprobs), from the target's raw log_softmax(logits) in fp32 at the row "
+        "that produced the token: before temperature / top-k / top-p (vLLM's raw logprobs), after a grammar's "
+        "mask; the same with and without speculation")
 
     @property
     def is_greedy(self) -> bool:

@@ -12,6 +12,7 @@ from .drafts.metadata import SpecMetadata
 from .model.attention import AttentionMetadata
 from .model.target import TargetModel
 from .modes import SpeculativeDecodingMode
+from .sampling.logprobs import logprobs_columns, pack_logprobs, token_logprobs
 
 
 class OneModel(nn.Module):
@@ -37,20 +38,27 @@ class OneModel(nn.Module):
 
         input_ids [T] int64 in the flat layout; draft_tokens [G, k] int64 (the drafts being verified, k =
         spec_metadata.draft_len). Returns new_tokens [B, k+1], new_tokens_lens [B], next_draft_tokens [B, k'],
-        next_new_tokens [B, k'+1] (k' = spec_metadata.next_draft_len).
+        next_new_tokens [B, k'+1] (k' = spec_metadata.next_draft_len); when a request asks for logprobs
+        (spec_metadata.logprobs_width > 0, known on the host) also token_logprobs [B, k+1] f32, top_logprob_ids
+        [B, k+1, W] int64 and top_logprobs [B, k+1, W] f32 (sampling/logprobs.py).
         """
+        metadata = self.spec_metadata
         hidden, captured = self.target(input_ids, attn)
-        self.spec_metadata.record_positions(attn.positions)
-        logits = self.target.compute_logits(hidden[self.spec_metadata.gather_ids[:self.spec_metadata.num_rows]])
+        metadata.record_positions(attn.positions)
+        logits = self.target.compute_logits(hidden[metadata.gather_ids[:metadata.num_rows]])
         features = captured if self.mode.is_eagle3_one_model() else hidden
-        return self.worker(input_ids, logits, features, draft_tokens, attn, self.spec_metadata)
+        out = self.worker(input_ids, logits, features, draft_tokens, attn, metadata)
+        if metadata.logprobs_width:  # the logits as the worker read them (a grammar masks them in place)
+            out.update(token_logprobs(logits, out["new_tokens"], metadata.num_context_requests,
+                                      metadata.logprobs_width))
+        return out
 
     def packed_forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor
                        ) -> torch.Tensor:
-        """:meth:`forward` with its outputs packed [B, 2K+3] int64 (one D2H copy; K = max_draft_len, shorter
-        steps padded). Tensor parallel: rank 0's outputs on every rank (every rank computes the same tokens from
-        the same gathered logits and seeds; the broadcast makes the host schedules of the ranks identical by
-        construction)."""
+        """:meth:`forward` with its outputs packed [B, 2K+3 (+ logprob columns)] int64 (one D2H copy; K =
+        max_draft_len, shorter steps padded; :func:`pack_outputs`). Tensor parallel: rank 0's outputs on every rank
+        (every rank computes the same tokens from the same gathered logits and seeds; the broadcast makes the host
+        schedules of the ranks identical by construction)."""
         packed = pack_outputs(self(input_ids, attn, draft_tokens), self.max_draft_len)
         parallel = self.target.parallel
         return packed if parallel is None else broadcast_from_first(packed, parallel)
@@ -58,8 +66,16 @@ class OneModel(nn.Module):
 
 def pack_outputs(out: dict[str, torch.Tensor], max_draft_len: int) -> torch.Tensor:
     """new_tokens [B, k+1] | new_tokens_lens [B, 1] | next_new_tokens [B, k'+1], each token block zero-padded
-    to K+1 columns (K = max_draft_len) -> [B, 2K+3] int64 (one D2H copy)."""
+    to K+1 columns (K = max_draft_len) -> [B, 2K+3] int64 (one D2H copy); a step with logprobs appends their
+    (K+1)(1+W) columns (:func:`tllm_spec.sampling.logprobs.pack_logprobs`)."""
     def padded(tokens: torch.Tensor) -> torch.Tensor:
         return F.pad(tokens, (0, max_draft_len + 1 - tokens.shape[1]))
-    return torch.cat([padded(out["new_tokens"]), out["new_tokens_lens"][:, None], padded(out["next_new_tokens"])],
-                     dim=1)
+    blocks = [padded(out["new_tokens"]), out["new_tokens_lens"][:, None], padded(out["next_new_tokens"])]
+    if "token_logprobs" in out:
+        blocks.append(pack_logprobs(out, max_draft_len))
+    return torch.cat(blocks, dim=1)
+
+
+def packed_columns(max_draft_len: int, logprobs_width: int = 0) -> int:
+    """Columns of the packed outputs: 2K+3, plus the logprobs' at ``logprobs_width`` top entries (0: none)."""
+    return 2 * max_draft_len + 3 + logprobs_columns(max_draft_len, logprobs_width)

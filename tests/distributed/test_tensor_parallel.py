@@ -83,12 +83,14 @@ def _rank_main(rank: int, init_file: str, backend: str, fn, args: tuple, results
 
 
 def _generate_tp2(target: str, head: str) -> dict[str, list[list[int]]]:
-    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    params = [SamplingParams(max_new_tokens=n, logprobs=None if i else 3) for i, n in enumerate(MAX_NEW)]
     out = {}
     for name, spec in (("eagle3", eagle3(Path(head), 3)), ("plain", None)):
         model = SpecModel.from_pretrained(target, spec, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
         assert model.target.fused is not None and model.target.parallel.size == WORLD_SIZE
-        out[name] = [o.token_ids for o in model.generate(PROMPTS, params)]
+        outs = model.generate(PROMPTS, params)
+        out[name] = [o.token_ids for o in outs]
+        out[f"{name} logprobs"] = [outs[0].logprobs, outs[0].top_logprobs]
     return out
 
 
@@ -100,11 +102,15 @@ def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
         assert not (isinstance(answer, tuple) and answer[0] == "error"), answer[1]
     assert ranks[0] == ranks[1]  # lockstep: the same tokens on every rank
     tp1 = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=2)
-    tp1_tokens = [o.token_ids for o in tp1.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])]
+    tp1_outs = tp1.generate(PROMPTS, [SamplingParams(max_new_tokens=n, logprobs=3) for n in MAX_NEW])
     hf = [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
-    assert tp1_tokens == hf
+    assert [o.token_ids for o in tp1_outs] == hf
     assert ranks[0]["eagle3"] == hf
     assert ranks[0]["plain"] == hf
+    for name in ("eagle3 logprobs", "plain logprobs"):  # the gathered vocabulary's log-softmax, as TP 1's
+        logprobs, tops = ranks[0][name]
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(tp1_outs[0].logprobs), atol=1e-4)
+        assert [list(top) for top in tops] == [list(top) for top in tp1_outs[0].top_logprobs]
 
 
 def _bad_configurations(three_heads: str, target: str, head: str) -> list[str]:

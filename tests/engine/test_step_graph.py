@@ -122,3 +122,29 @@ def test_a_new_forced_count_needs_no_recompilation():
             lens[forced] = compiled(*_step_modules(model), *inputs)[:, k + 1]  # new_tokens_lens
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert set(lens[1.5].tolist()) <= {2, 3} and lens[3.0].tolist() == [k + 1] * size
+
+
+@pytest.mark.parametrize("worker", ["eagle3", "plain"])  # K = 3 and K = 0 (MTP: the same OneModel code)
+def test_a_step_with_logprobs_is_one_graph_and_compiles_to_the_eager_outputs(worker):
+    """A step whose requests ask for logprobs (log-softmax, top-k, fp32 bits packed into int64 columns) traces
+    without a graph break, and compiled through AOT autograd (functionalised, as Inductor sees it) packs the eager
+    step's columns bit for bit."""
+    model = _model(worker, rejection=False)
+    k, size = model.max_draft_len, 3
+    _, positions, slots, drafts = _greedy_step_inputs(model, size, k)
+    ids = torch.arange(size * (k + 1)) % 90
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(temperature=0.8, logprobs=0)]
+    model.runner.spec_metadata.prepare(params, (), k, k)
+    assert model.runner.spec_metadata.logprobs_width == 5
+
+    def run(step) -> torch.Tensor:
+        model.runner.spec_metadata.reseed(0)  # the sampled row draws the same numbers each time
+        with torch.inference_mode(), step_compile_settings():
+            return step(*_step_modules(model), ids, positions, slots, drafts)
+
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(generation_step)(*_step_modules(model), ids, positions, slots, drafts)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    eager = run(generation_step)
+    assert eager.shape == (size, 2 * k + 3 + (k + 1) * (1 + 5))
+    assert torch.equal(run(compiled_generation_step(backend="aot_eager")), eager)

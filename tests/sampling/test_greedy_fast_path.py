@@ -70,8 +70,8 @@ def test_one_sampled_request_turns_the_sampler_on(sampler_calls):
 def test_the_step_flag_is_known_on_the_host():
     meta = SpecMetadata(4, 3, 16, "cpu")
     meta.prepare([SamplingParams(), SamplingParams(top_k=1, temperature=1.0)], [2])
-    assert meta.variant == (True, False)
+    assert meta.variant == (True, False, 0)
     meta.prepare([SamplingParams(), SamplingParams(temperature=0.5, seed=1)], [2])
-    assert meta.variant == (False, True)
+    assert meta.variant == (False, True, 0)
     meta.prepare([SamplingParams(temperature=0.5), SamplingParams(seed=4)], [])  # a greedy seed does not count
-    assert meta.variant == (False, False)
+    assert meta.variant == (False, False, 0)

@@ -20,7 +20,7 @@ BAD_COMPLETIONS = {  # body -> (status, the request field the error names)
     "token ids past the vocabulary": ({"prompt": [5, 10**6]}, 400, "prompt"),
     "token ids past max_seq_len": ({"prompt": [7] * 2100}, 400, "prompt"),
     "a huge string": ({"prompt": "lorem ipsum " * 3000}, 400, "prompt"),
-    "logprobs": ({"prompt": PROMPT, "logprobs": 1}, 400, "logprobs"),
+    "logprobs above 20": ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
     "echo": ({"prompt": PROMPT, "echo": True}, 400, "echo"),
     "n > 1": ({"prompt": PROMPT, "n": 2}, 400, "n"),
     "min_tokens": ({"prompt": PROMPT, "min_tokens": 3}, 400, "min_tokens"),
@@ -47,8 +47,9 @@ def test_bad_requests_answer_openai_errors_and_the_server_goes_on(server_url, cl
     _check_error(httpx.post(f"{server_url}/v1/completions", content=b'{"prompt": "x", ', timeout=10,
                             headers={"content-type": "application/json"}), 400)
     _check_error(httpx.post(f"{server_url}/v1/chat/completions", json={"messages": "hi"}, timeout=10), 400, "messages")
-    _check_error(httpx.post(f"{server_url}/v1/chat/completions", timeout=10,
-                            json={"messages": CHAT, "logprobs": True}), 400, "logprobs")
+    for body in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):  # without logprobs; above 20
+        _check_error(httpx.post(f"{server_url}/v1/chat/completions", timeout=10, json={"messages": CHAT, **body}),
+                     400, "top_logprobs")
     assert complete(client, PROMPT, stream=False, max_tokens=16, **GREEDY).text == before
     assert complete(client, PROMPT, stream=True, max_tokens=16, **GREEDY).text == before
     assert scrape(server_url)["tllm_spec_requests_running"] == 0

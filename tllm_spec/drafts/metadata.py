@@ -7,13 +7,15 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import rng
+from ..sampling.logprobs import logprobs_width
 
 
-def sampling_variant(params: Sequence[SamplingParams]) -> tuple[bool, bool]:
-    """(all greedy, some sampled request has its own seed): the host-side facts that pick a step's sampling
-    code (argmax only / batch-stream sampler / per-row streams on the torch sampler)."""
+def sampling_variant(params: Sequence[SamplingParams]) -> tuple[bool, bool, int]:
+    """(all greedy, some sampled request has its own seed, logprobs width): the host-side facts that pick a step's
+    sampling code (argmax only / batch-stream sampler / per-row streams on the torch sampler) and whether it
+    computes logprobs (0: no request asks; else the top entries per row, the largest N rounded up)."""
     sampled = [p for p in params if not p.is_greedy]
-    return not sampled, any(p.seed is not None for p in sampled)
+    return not sampled, any(p.seed is not None for p in sampled), logprobs_width([p.logprobs for p in params])
 
 
 class SpecMetadata:
@@ -31,8 +33,9 @@ class SpecMetadata:
     (request seed, counter); the counter is ``L0 * (K+1) + j`` (K = max_draft_len), L0 the position of the
     request's first token in the step (strictly increasing from step to step) and j the row (or draft step)
     within the request — nothing that depends on the rest of the batch (unless a draft-length schedule is set:
-    the batch size then picks how many drafts a step has, and so which draws a request makes). The host-side flags ``all_greedy`` and
-    ``has_request_seeds`` are set by :meth:`prepare` from the SamplingParams, without reading the device.
+    the batch size then picks how many drafts a step has, and so which draws a request makes). The host-side
+    flags ``all_greedy``, ``has_request_seeds`` and ``logprobs_width`` are set by :meth:`prepare` from the
+    SamplingParams, without reading the device.
     """
 
     def __init__(self, max_num_requests: int, max_draft_len: int, vocab_size: int, device: torch.device | str):
@@ -54,15 +57,17 @@ class SpecMetadata:
         self._prepared: tuple[list[SamplingParams], tuple[int, ...]] = ([], ())  # what the rows hold now
         self.all_greedy = True
         self.has_request_seeds = False
+        self.logprobs_width = 0  # top logprobs per row the step computes; 0: no logprobs
 
     @property
     def num_rows(self) -> int:
         return self.num_context_requests + self.num_generation_requests * (self.draft_len + 1)
 
     @property
-    def variant(self) -> tuple[bool, bool]:
-        """(all_greedy, has_request_seeds) of the prepared step: what a captured CUDA graph is keyed by."""
-        return self.all_greedy, self.has_request_seeds
+    def variant(self) -> tuple[bool, bool, int]:
+        """(all_greedy, has_request_seeds, logprobs_width) of the prepared step: what a captured CUDA graph is
+        keyed by (with its batch bucket and draft lengths)."""
+        return self.all_greedy, self.has_request_seeds, self.logprobs_width
 
     def reseed(self, seed: int) -> None:
         self.seed.fill_(seed % 2**31)
@@ -84,7 +89,7 @@ class SpecMetadata:
         self.draft_len = draft_len
         num_ctx, rows_per_gen = len(context_lens), draft_len + 1
         self.num_context_requests, self.num_generation_requests = num_ctx, len(params) - num_ctx
-        self.all_greedy, self.has_request_seeds = sampling_variant(params)
+        self.all_greedy, self.has_request_seeds, self.logprobs_width = sampling_variant(params)
         repeats = torch.tensor([1] * num_ctx + [rows_per_gen] * self.num_generation_requests, dtype=torch.int64)
         columns = list(zip(*(_row_values(p, self.vocab_size) for p in params))) or [()] * len(_ROW_DTYPES)
         temps, top_ks, top_ps, seeds, seeded = (torch.tensor(c, dtype=dtype).repeat_interleave(repeats)

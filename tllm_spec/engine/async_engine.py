@@ -34,6 +34,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self.loop.engine.tokenizer
 
+    def decode_each(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (logprobs' token strings); any thread."""
+        return self.loop.engine.decode_each(token_ids)
+
     def check(self, prompt: str | list[int], params: SamplingParams | dict | None) -> tuple[list[int] | None,
                                                                                            str | None]:
         """(token ids, None), or (None, why the request would be refused)."""

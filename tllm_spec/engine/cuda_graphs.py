@@ -1,6 +1,7 @@
 """CUDA graphs for generation-only steps: one captured OneModel.forward per batch-size bucket, draft lengths
 (verified, proposed: both max_draft_len unless a draft-length schedule changes them) and sampling variant
-(all-greedy argmax / sampled / sampled with request seeds, known on the host from the SamplingParams).
+(all-greedy argmax / sampled / sampled with request seeds, and the logprobs width: none, or the top entries per
+row, one of a few fixed widths; known on the host from the SamplingParams).
 
 Inputs live in one static int64 buffer (token ids, positions, slots, drafts), refilled by a single
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
@@ -27,8 +28,14 @@ from ..one_model import OneModel
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy
-_VARIANT_EXAMPLES = {(True, False): _DUMMY, (False, False): SamplingParams(temperature=1.0),
-                     (False, True): SamplingParams(temperature=1.0, seed=0)}  # a request of each sampling variant
+GraphKey = tuple[int, int, int, bool, bool, int]  # bucket, draft_len, next_draft_len, *sampling_variant
+
+
+def variant_example(variant: tuple[bool, bool, int]) -> SamplingParams:
+    """A request whose batch alone has the sampling ``variant`` (:func:`sampling_variant`)."""
+    all_greedy, has_request_seeds, logprobs_width = variant
+    return SamplingParams(temperature=0.0 if all_greedy else 1.0, seed=0 if has_request_seeds else None,
+                          logprobs=logprobs_width or None)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -44,9 +51,10 @@ def advance_inputs(inputs: torch.Tensor, packed: torch.Tensor, size: int, draft_
                    padding_slot: int) -> None:
     """The next generation step's inputs from this one's packed outputs, in place on the device: what the engine
     computes on the host after a step, for requests that all continue with ``draft_len`` drafts. inputs
-    [4, T] int64 (ids | positions | slots | drafts, flat layout); packed [size, 2K+3]. Each request's next tokens
-    are its ``next_new_tokens`` (the last accepted token, then the new drafts), its positions move on by its
-    accepted count, its slot stays; padding rows (``padding_slot``) keep their positions."""
+    [4, T] int64 (ids | positions | slots | drafts, flat layout); packed [size, 2K+3 (+ logprob columns, not
+    read)]. Each request's next tokens are its ``next_new_tokens`` (the last accepted token, then the new drafts),
+    its positions move on by its accepted count, its slot stays; padding rows (``padding_slot``) keep their
+    positions."""
     per_request = draft_len + 1
     tokens = size * per_request
     slots = inputs[2, :tokens].view(size, per_request)
@@ -60,7 +68,7 @@ def advance_inputs(inputs: torch.Tensor, packed: torch.Tensor, size: int, draft_
 def generation_step(model: OneModel, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """One generation-only step, as captured: ids, positions, slots [B*(k+1)] int64 in the flat layout; drafts
-    [B, k] int64 (k = spec_metadata.draft_len) -> packed outputs [B, 2K+3] int64."""
+    [B, k] int64 (k = spec_metadata.draft_len) -> packed outputs [B, 2K+3 (+ logprob columns)] int64."""
     model.spec_metadata.bind_generation_requests(drafts)
     attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
                                    tokens_per_request=drafts.shape[1] + 1)
@@ -100,10 +108,10 @@ class CUDAGraphRunner:
         max_tokens = self.buckets[-1] * (self.k + 1)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=model.device)  # ids|pos|slots|drafts
         self.host_inputs = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=model.device.type == "cuda")
-        # (bucket, draft_len, next_draft_len, all_greedy, has_request_seeds) -> (graph, packed outputs)
-        self.graphs: dict[tuple[int, int, int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, draft_len, next_draft_len, all_greedy, has_request_seeds, logprobs_width) -> (graph, packed)
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self.last: tuple[tuple[int, int, int, bool, bool], int] | None = None  # graph key, requests of the last run
+        self.last: tuple[GraphKey, int] | None = None  # graph key, requests of the last run
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -113,8 +121,10 @@ class CUDAGraphRunner:
         """Capture every bucket now (on all-padding inputs) in each sampling variant a batch of ``params``
         can take and each draft length the schedule gives its batch sizes, so no steady step later pays for a
         capture (a step where the schedule changes the draft length captures its graph on first use). The first
-        capture also pays for torch.compile (Inductor's on-disk cache makes a second start quick)."""
-        examples = {sampling_variant([p]): p for p in params}  # a batch's variant is one of its requests'
+        capture also pays for torch.compile (Inductor's on-disk cache makes a second start quick). A batch
+        mixing requests may have a variant none of them has alone (a sampled one beside a greedy one asking for
+        logprobs): that one is captured on first use."""
+        examples = {sampling_variant([p]): p for p in params}
         todo = [(size, k, variant, example) for size, k in self._bucket_draft_lens()
                 for variant, example in examples.items() if (size, k, k, *variant) not in self.graphs]
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
@@ -134,12 +144,12 @@ class CUDAGraphRunner:
     def run(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
             params: list[SamplingParams], draft_len: int, next_draft_len: int) -> torch.Tensor:
         """One generation-only step (``draft_len`` drafts verified per request, ``next_draft_len`` proposed);
-        returns the packed outputs [B, 2K+3] of the real requests."""
+        returns the packed outputs [B, 2K+3 (+ logprob columns)] of the real requests."""
         size = self.bucket(len(params))
         variant = sampling_variant(params)
         key = (size, draft_len, next_draft_len, *variant)
         if key not in self.graphs:  # e.g. a step that changes the draft length: capture it first ...
-            self._fill([], [], [], [], [], size, draft_len, next_draft_len, pad_params=_VARIANT_EXAMPLES[variant])
+            self._fill([], [], [], [], [], size, draft_len, next_draft_len, pad_params=variant_example(variant))
             self.graphs[key] = self._capture(size, draft_len)  # ... on padding rows, so the warm-up steps move no
             # real request's state (its draft distributions, its thinking state), then replay on the real rows
         self._fill(ids, positions, slots, drafts, params, size, draft_len, next_draft_len)
@@ -155,7 +165,7 @@ class CUDAGraphRunner:
     def run_next(self) -> torch.Tensor:
         """Replay the last step's graph on the inputs it advanced from its own outputs (:func:`advance_inputs`),
         before the host has seen them: the same requests, sampling rows and draft lengths. Returns the packed
-        outputs [B, 2K+3] of the real requests (the same buffer as the last step's: copy those out first)."""
+        outputs [B, C] of the real requests (the same buffer as the last step's: copy those out first)."""
         key, num_requests = self.last
         graph, packed = self.graphs[key]
         graph.replay()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import SamplingParams
+from ..sampling.logprobs import StepLogprobs
 from .detokenizer import Detokenizer
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
 from .runner import ModelRunner
@@ -44,9 +45,9 @@ class Engine:
         self._tokenizer_lock = threading.Lock()
         self._last_done = 0.0
         self._buffer = 0
-        # two pinned copies of the packed outputs: one per step in flight
-        rows = (runner.max_batch_size, 2 * self.k + 3)
-        self._host_buffers = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
+        # two pinned copies of the packed outputs, as wide as the widest: one per step in flight
+        size = runner.max_batch_size * runner.max_packed_columns
+        self._host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if runner.device.type == "cuda" else []
 
     @property
@@ -69,6 +70,11 @@ class Engine:
             return None
         with self._tokenizer_lock:
             return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def decode_each(self, token_ids: list[int]) -> list[str]:
+        """Any thread: each token's own text, special tokens included (logprobs' token strings)."""
+        with self._tokenizer_lock:
+            return [self.tokenizer.decode([t]) for t in token_ids]
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> str | None:
         """Why this request cannot run (None: it can). Read-only: any thread may ask."""
@@ -255,7 +261,7 @@ class Engine:
             return _Launched(packed.clone(), None, draft_len, next_draft_len, has_context, chained, start,
                              time.perf_counter() - start)
         self._buffer ^= 1
-        host = self._host_buffers[self._buffer][:packed.shape[0]]
+        host = self._host_buffers[self._buffer][:packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
@@ -269,7 +275,9 @@ class Engine:
             step.ready.synchronize()
         waited = time.perf_counter()
         live = [not r.finish_reason for r in batch]
-        for r, row, used in zip(batch, step.host.tolist(), live):
+        columns = 2 * self.k + 3
+        logprobs = StepLogprobs.unpack(step.host[:, columns:], self.k)
+        for b, (r, row, used) in enumerate(zip(batch, step.host[:, :columns].tolist(), live)):
             if not used:
                 continue
             n = row[self.k + 1]
@@ -280,7 +288,8 @@ class Engine:
                 if step.draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
                     r.stats.record(n, step.draft_len)
             r.next_input = row[self.k + 2:self.k + 3 + step.next_draft_len]
-            r.accept(row[:n])
+            wanted = r.params.logprobs
+            r.accept(row[:n], logprobs.of(b, n, wanted) if wanted is not None else None)
         done = time.perf_counter()
         if not step.has_context and any(live):  # a chained step's time runs from the previous step's end
             began = self._last_done if step.chained else step.start
@@ -291,8 +300,8 @@ class Engine:
 
 @dataclass
 class _Launched:
-    """A launched step: its packed outputs on the host [B, 2K+3] int64 (valid once ``ready`` has passed; None:
-    already there), how it was launched, and the host time spent launching it."""
+    """A launched step: its packed outputs on the host [B, 2K+3 (+ logprob columns)] int64 (valid once ``ready``
+    has passed; None: already there), how it was launched, and the host time spent launching it."""
 
     host: torch.Tensor
     ready: torch.cuda.Event | None

@@ -60,10 +60,15 @@ class AcceptanceStats:
                 "histogram": self.histogram}
 
 
+TokenLogprobs = tuple[list[float], list[dict[int, float]]]  # per token: its logprob; the top N {token id: logprob}
+
+
 @dataclass
 class RequestOutput:
     """What generate() returns per prompt. ``finish_reason``: "stop" (a stop token or stop string, or the
-    request's grammar is complete), "length", "abort", "rejected" or "error" (see ``error``)."""
+    request's grammar is complete), "length", "abort", "rejected" or "error" (see ``error``). With
+    ``SamplingParams(logprobs=N)``: ``logprobs`` (each output token's logprob under the target) and
+    ``top_logprobs`` (each position's N most likely tokens, {token id: logprob} best first), one per token."""
 
     index: int
     prompt_token_ids: list[int]
@@ -73,13 +78,16 @@ class RequestOutput:
     text: str | None = None
     error: str | None = None
     request_id: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
 class StreamOutput:
     """One step's news of a request: the tokens it accepted (``token_ids``, 1..K+1 of them, fewer where a stop
     ended it) and the text they completed (``text``: a delta; None without a tokenizer). The last one has
-    ``finished`` set and ``output`` (the whole RequestOutput); ``exception`` is what a failed step raised."""
+    ``finished`` set and ``output`` (the whole RequestOutput); ``exception`` is what a failed step raised.
+    ``logprobs`` / ``top_logprobs``: the new tokens' entries (None unless the request asked for logprobs)."""
 
     request_id: str
     token_ids: list[int]
@@ -87,6 +95,8 @@ class StreamOutput:
     finished: bool = False
     output: RequestOutput | None = None
     exception: BaseException | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -114,6 +124,12 @@ class Request:
     matcher: GrammarMatcher | None = None  # the request's grammar state (guided decoding), advanced on the host
     detokenizer: Detokenizer | None = None  # text and stop strings; None without a tokenizer
     num_emitted: int = 0  # output tokens already handed out as StreamOutputs
+    logprobs: list[float] | None = None  # per output token (SamplingParams.logprobs set): its logprob
+    top_logprobs: list[dict[int, float]] | None = None  # per output token: the top N {token id: logprob}
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs, self.top_logprobs = [], []
 
     @property
     def is_context(self) -> bool:
@@ -136,14 +152,19 @@ class Request:
             self.finish_reason = "stop" if self.detokenizer.stopped else self.finish_reason
         self.output.extend(kept)
 
-    def accept(self, tokens: list[int]) -> None:
+    def accept(self, tokens: list[int], logprobs: TokenLogprobs | None = None) -> None:
         """Append a step's accepted tokens, first following them through the grammar (which may end the request
-        at its completion)."""
-        grammar_finish = None
+        at its completion); ``logprobs``: theirs, one entry per token, trimmed with them (every cut keeps a
+        prefix)."""
+        grammar_finish, num_before = None, len(self.output)
         if self.matcher is not None:
             tokens, grammar_finish = self.matcher.advance(tokens)
         self.append(tokens)
         self.finish_reason = self.finish_reason or grammar_finish
+        if self.logprobs is not None:
+            num_kept = len(self.output) - num_before
+            self.logprobs.extend(logprobs[0][:num_kept])
+            self.top_logprobs.extend(logprobs[1][:num_kept])
 
     def fail(self, reason: str, error: str | None = None, exception: BaseException | None = None) -> None:
         """End the request now ("abort", "error")."""
@@ -155,16 +176,17 @@ class Request:
         if finished and self.detokenizer is not None:
             self.detokenizer.finish()
         text = self.detokenizer.take_delta(finished) if self.detokenizer is not None else None
-        new, self.num_emitted = self.output[self.num_emitted:], len(self.output)
-        return StreamOutput(self.request_id, new, text, finished, self.to_output() if finished else None,
-                            self.exception)
+        start, self.num_emitted = self.num_emitted, len(self.output)
+        logprobs, top = (None, None) if self.logprobs is None else (self.logprobs[start:], self.top_logprobs[start:])
+        return StreamOutput(self.request_id, self.output[start:], text, finished,
+                            self.to_output() if finished else None, self.exception, logprobs, top)
 
     def to_output(self) -> RequestOutput:
         error = self.error or ("an accepted token broke the grammar (forced or relaxed acceptance)"
                                if self.finish_reason == "error" else None)
         text = self.detokenizer.text if self.detokenizer is not None else None
         return RequestOutput(self.index, self.prompt, self.output, self.finish_reason or "length", self.stats, text,
-                             error, self.request_id)
+                             error, self.request_id, self.logprobs, self.top_logprobs)
 
 
 class GenerationOutputs(list):

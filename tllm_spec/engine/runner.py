@@ -16,8 +16,9 @@ from ..model.attention import AttentionMetadata
 from ..model.kv_cache import KVCache
 from ..model.target import TargetModel
 from ..modes import SpeculativeDecodingMode
-from ..one_model import OneModel
+from ..one_model import OneModel, packed_columns
 from ..sampling.forcing import read_forced_num_accepted
+from ..sampling.logprobs import MAX_LOGPROBS
 from .cuda_graphs import CUDAGraphRunner
 from .draft_len import DraftLenSchedule
 
@@ -26,7 +27,8 @@ _DEFAULT_MAX_SEQ_LEN = 8192
 
 class ModelRunner:
     """Owns the :class:`OneModel` and runs its steps. The engine above it sees host lists in and packed
-    outputs [B, 2K+3] out (:meth:`step`, :meth:`run_next`); nothing here knows about requests."""
+    outputs [B, 2K+3 (+ logprob columns)] out (:meth:`step`, :meth:`run_next`); nothing here knows about
+    requests."""
 
     def __init__(self, target: TargetModel, worker: SpecWorkerBase, mode: SpeculativeDecodingMode,
                  engine_config: EngineConfig, tokenizer=None, draft_len_schedule: Mapping[int, int] | None = None):
@@ -83,6 +85,11 @@ class ModelRunner:
         """A graph runner without captured graphs (the compiled step's Dynamo cache is kept: it lives on the
         code)."""
         return CUDAGraphRunner(self.model, self.kv_cache, self.schedule, self.max_batch_size, self._compile_whole)
+
+    @property
+    def max_packed_columns(self) -> int:
+        """Columns of the widest packed outputs a step returns (logprobs at the widest width)."""
+        return packed_columns(self.max_draft_len, MAX_LOGPROBS)
 
     @property
     def max_positions_per_request(self) -> int:
@@ -151,7 +158,7 @@ class ModelRunner:
              params: list[SamplingParams], context_lens: tuple[int, ...], draft_len: int | None = None,
              next_draft_len: int | None = None) -> torch.Tensor:
         """Run one step from host-side inputs (flat layout, context requests first); returns the packed
-        outputs [B, 2K+3] on the device. ``draft_len``: drafts each generation request verifies,
+        outputs [B, 2K+3 (+ logprob columns)] on the device. ``draft_len``: drafts each generation request verifies,
         ``next_draft_len``: drafts to propose (both default max_draft_len). Generation-only batches replay a
         CUDA graph when one is enabled."""
         k = self.max_draft_len if draft_len is None else draft_len

@@ -20,6 +20,7 @@ from ..config import SamplingParams
 from ..spec_model import SpecModel
 from .errors import APIError, install_error_handlers
 from .generation import EventStream, Job, event_stream, run_to_end
+from .logprobs import LogprobsFormat, TokenTexts
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .template import ChatTemplate
@@ -55,6 +56,7 @@ class Server:
         self.metrics = ServerMetrics(self.engine, model.max_draft_len)
         self.admission = Admission(max_queue)
         self.template = ChatTemplate(model.tokenizer, model.encode)
+        self.token_texts = TokenTexts(self.engine.decode_each)  # on the event loop's thread only
         self.created = int(time.time())
 
     async def generate(self, body: CompletionRequest | ChatCompletionRequest, prompt: str | list[int],
@@ -94,8 +96,9 @@ class Server:
             param = "stop_token_ids" if error.startswith("stop_token_ids") else "messages" if chat else "prompt"
             raise APIError(400, error, param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        logprobs_format = LogprobsFormat(chat, self.token_texts) if params.logprobs is not None else None
         return Job(request_id, ids, params, self.model_name, chat, self.metrics.track(len(ids)), body.include_usage,
-                   body.continuous_usage)
+                   body.continuous_usage, logprobs_format)
 
 
 def _server(request: Request) -> Server:

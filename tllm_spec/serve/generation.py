@@ -1,9 +1,10 @@
 """One admitted request run against the engine: to its end (one JSON body) or as server-sent events.
 
-A stream is ``data: {chunk}\\n\\n`` per step that completed text, the last content chunk carrying
-``finish_reason``, an optional usage chunk (``stream_options.include_usage``), then ``data: [DONE]\\n\\n``. A request
-that fails after its 200 sends ``data: {"error": {...}}`` before ``[DONE]``. Leaving early (a client that
-disconnects) closes the engine's generator, which aborts the request and frees its pages at the next step."""
+A stream is ``data: {chunk}\\n\\n`` per step that completed text (with the logprobs of its tokens and of those held
+back before it, when asked for), the last content chunk carrying ``finish_reason``, an optional usage chunk
+(``stream_options.include_usage``), then ``data: [DONE]\\n\\n``. A request that fails after its 200 sends
+``data: {"error": {...}}`` before ``[DONE]``. Leaving early (a client that disconnects) closes the engine's
+generator, which aborts the request and frees its pages at the next step."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,7 @@ from ..config import SamplingParams
 from ..engine.async_engine import AsyncEngine
 from ..engine.request import RequestOutput, StreamOutput
 from .errors import APIError
+from .logprobs import LogprobsFormat
 from .metrics import RequestTracker
 from .protocol import (
     AssistantMessage,
@@ -49,25 +51,37 @@ class Job:
     tracker: RequestTracker
     include_usage: bool = False
     continuous_usage: bool = False  # every chunk carries the usage so far
+    logprobs_format: LogprobsFormat | None = None  # the request asked for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
+    def response(self, output: RequestOutput, usage: Usage) -> BaseModel:
         head = {"id": self.request_id, "created": self.created, "model": self.model_name, "usage": usage}
+        text, finish_reason = output.text or "", finish_reason_of(output)
+        logprobs = self.logprobs(output.token_ids, output.logprobs, output.top_logprobs)
         if self.chat:
-            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+            choice = ChatChoice(message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=finish_reason)
             return ChatCompletionResponse(**head, choices=[choice])
-        return CompletionResponse(**head, choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return CompletionResponse(**head, choices=[choice])
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False,
-              usage: Usage | None = None) -> BaseModel:
+              usage: Usage | None = None, logprobs: BaseModel | None = None) -> BaseModel:
         """A stream chunk; ``text=None`` is the usage chunk (no choices)."""
         head = {"id": self.request_id, "created": self.created, "model": self.model_name, "usage": usage}
         if self.chat:
             delta = DeltaMessage(role="assistant" if first else None, content=text)
-            choices = [] if text is None else [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+            choices = [] if text is None else [ChatChunkChoice(delta=delta, logprobs=logprobs,
+                                                               finish_reason=finish_reason)]
             return ChatCompletionChunk(**head, choices=choices)
-        choices = [] if text is None else [CompletionChoice(text=text, finish_reason=finish_reason)]
+        choices = [] if text is None else [CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)]
         return CompletionResponse(**head, choices=choices)
+
+    def logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+                 top_logprobs: list[dict[int, float]] | None) -> BaseModel | None:
+        """The tokens' logprobs in the endpoint's shape; None when the request did not ask for them."""
+        if self.logprobs_format is None or logprobs is None:
+            return None
+        return self.logprobs_format(token_ids, logprobs, top_logprobs)
 
     def usage(self, output: RequestOutput) -> Usage:
         return Usage.of(len(self.prompt_ids), len(output.token_ids))
@@ -118,7 +132,7 @@ async def run_to_end(engine: AsyncEngine, job: Job, disconnected: Callable[[], A
         raise
     except Exception as err:  # a failed step's exception, re-raised by AsyncEngine.generate
         raise _engine_failure(err) from err
-    return job.response(output.text or "", finish_reason_of(output), job.usage(output))
+    return job.response(output, job.usage(output))
 
 
 async def event_stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
@@ -136,16 +150,39 @@ async def event_stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
 
 async def _events(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
     first, num_tokens = True, 0
+    pending = _PendingLogprobs()  # of tokens whose text has not gone out yet (held back at a stop string's start)
     async with aclosing(_outputs(engine, job)) as outputs:
         async for out in outputs:
             num_tokens += len(out.token_ids)
+            pending.add(out)
             finish_reason = finish_reason_of(out.output) if out.finished else None
             if out.text or out.finished:
                 usage = Usage.of(len(job.prompt_ids), num_tokens) if job.continuous_usage else None
-                yield _event(job.chunk(out.text or "", finish_reason, first, usage))
+                yield _event(job.chunk(out.text or "", finish_reason, first, usage, pending.take(job)))
                 first = False
             if out.finished and job.include_usage:
                 yield _event(job.chunk(None, None, usage=job.usage(out.output)))
+
+
+class _PendingLogprobs:
+    """A stream's token logprobs, gathered until a chunk carries them."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+
+    def add(self, out: StreamOutput) -> None:
+        if out.logprobs is not None:
+            self.token_ids += out.token_ids
+            self.logprobs += out.logprobs
+            self.top_logprobs += out.top_logprobs
+
+    def take(self, job: Job) -> BaseModel | None:
+        """The gathered logprobs in the job's shape (None if it did not ask for them); then none are pending."""
+        shaped = job.logprobs(self.token_ids, self.logprobs, self.top_logprobs)
+        self.token_ids, self.logprobs, self.top_logprobs = [], [], []
+        return shaped
 
 
 def _event(chunk: BaseModel) -> str:

@@ -2,7 +2,8 @@
 refused) and the responses and stream chunks. Sampling fields map onto :class:`SamplingParams`: ``max_tokens`` ->
 ``max_new_tokens``; ``temperature`` (default 1, as OpenAI's), ``top_p``, ``seed``; ``stop`` (a string or a list);
 vLLM's extras ``top_k`` (-1 or 0 = off), ``ignore_eos``, ``stop_token_ids`` and
-``stream_options.continuous_usage_stats``."""
+``stream_options.continuous_usage_stats``; completions' ``logprobs: N`` and chat's ``logprobs: true, top_logprobs:
+N`` (N <= 20) -> ``logprobs``, answered in OpenAI's shapes (serve/logprobs.py)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -10,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import SamplingParams
+from ..sampling.logprobs import MAX_LOGPROBS
 from .errors import APIError
 
 FinishReason = Literal["stop", "length"]
@@ -60,6 +62,11 @@ class _GenerationRequest(_Body):
         return self.max_tokens
 
     @property
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off), or the number of top entries per token."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -77,7 +84,7 @@ class _GenerationRequest(_Body):
                   "top_p": 1.0 if self.top_p is None else self.top_p,
                   "top_k": 0 if self.top_k in (None, -1) else self.top_k, "stop": stop,
                   "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
-                  "seed": self.seed}
+                  "seed": self.seed, "logprobs": self.requested_logprobs}
         try:
             return SamplingParams(**fields)
         except ValidationError as err:
@@ -98,14 +105,17 @@ class CompletionRequest(_GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported yet", "logprobs")
+        _check_logprobs("logprobs", self.logprobs)
         if self.echo:
             raise APIError(400, "echo is not supported yet", "echo")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of > 1 is not supported", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The prompt; a list of prompts is refused unless it holds exactly one."""
@@ -144,15 +154,25 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs is not supported yet", "logprobs")
+        _check_logprobs("top_logprobs", self.top_logprobs)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def text_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def _check_logprobs(param: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must lie in [0, {MAX_LOGPROBS}], got {value}", param)
 
 
 class Usage(BaseModel):
@@ -173,10 +193,20 @@ class _Response(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: per token its text, logprob, {text: logprob} of the top N (and of the token itself)
+    and where it starts in the completion's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -192,10 +222,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -212,7 +256,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
