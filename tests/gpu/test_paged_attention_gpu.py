@@ -65,3 +65,57 @@ def test_runs_of_query_tokens_match_reference(query_len, num_runs, hq, hkv, dtyp
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(paged_attention(*args, query_len=query_len).float(),
                                paged_attention_ref(*args).float(), atol=tol, rtol=tol)
+
+
+def _long_case(contexts, query_len, hq, hkv, dtype, page=16, d=128):
+    """Runs of query_len tokens ending at the given context lengths (one request each), pages shuffled."""
+    torch.manual_seed(sum(contexts) + query_len + hq)
+    max_pages = -(-max(contexts) // page) + 1
+    num_pages = len(contexts) * max_pages + 1
+    k = torch.randn(num_pages, page, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    block_tables = (torch.randperm(num_pages - 1, device="cuda")[:len(contexts) * max_pages] + 1).int()
+    block_tables = block_tables.view(len(contexts), max_pages)
+    ends = torch.tensor(contexts, device="cuda")
+    positions = (ends[:, None] - query_len + torch.arange(query_len, device="cuda")).clamp(min=0).flatten()
+    slots = torch.arange(len(contexts), device="cuda").repeat_interleave(query_len)
+    q = torch.randn(len(positions), hq, d, device="cuda", dtype=dtype)
+    return q, k, v, block_tables, slots, positions, d ** -0.5, max_pages * page
+
+
+@pytest.mark.parametrize("contexts", [[1], [17, 4096], [255, 256, 257, 4000], [32768], [9000, 40, 31000]])
+@pytest.mark.parametrize("query_len", [1, 4, 6])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8)])
+def test_split_kv_matches_reference_at_long_context(contexts, query_len, hq, hkv):
+    """Split-KV (auto and forced) against the reference: contexts to 32k, page boundaries, mixed lengths in one
+    batch, GQA 1, 4 and 8, K = 0, 3 and 5 (query_len K + 1)."""
+    args = _long_case(contexts, query_len, hq, hkv, torch.bfloat16)
+    ref = paged_attention_ref(*args).float()
+    for splits in (None, 1, 7, 64):
+        out = paged_attention(*args, query_len=query_len, num_splits=splits).float()
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2, msg=f"num_splits={splits}")
+
+
+def test_one_split_graph_serves_every_context_length():
+    """A graph captured with a fixed split count reads each run's length on the device: short and long contexts
+    replayed through it match the reference, the fused K/V write included."""
+    q, k, v, bt, slots, positions, scale, max_kv = _long_case([20000, 20000], 4, 32, 8, torch.bfloat16)
+    new_kv = (torch.randn(len(q), 8, 128, device="cuda", dtype=q.dtype), torch.randn(len(q), 8, 128,
+                                                                                       device="cuda", dtype=q.dtype))
+    caches = (k.clone(), v.clone())
+    paged_attention(q, *caches, bt, slots, positions, scale, max_kv, query_len=4, new_kv=new_kv)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, *caches, bt, slots, positions, scale, max_kv, query_len=4, new_kv=new_kv)
+    k.copy_(caches[0])  # the warm-up call's writes
+    v.copy_(caches[1])
+    for ends in ([3, 7], [300, 19999], [5000, 12]):
+        positions.copy_((torch.tensor(ends, device="cuda")[:, None] - 3 + torch.arange(4, device="cuda"))
+                        .clamp(min=0).flatten())
+        graph.replay()
+        ref_caches = (k.clone(), v.clone())
+        ref = paged_attention_ref(q, *ref_caches, bt, slots, positions, scale, max_kv, new_kv=new_kv)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=str(ends))
+        k.copy_(ref_caches[0])
+        v.copy_(ref_caches[1])
+        torch.testing.assert_close(caches[0], ref_caches[0], atol=0, rtol=0)

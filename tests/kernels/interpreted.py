@@ -7,6 +7,7 @@ import itertools
 import torch
 
 from tllm_spec import kernels
+from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import paged_attention as attention_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
@@ -16,9 +17,11 @@ from tllm_spec.model.rotary import apply_rotary
 kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for CPU tensors
 
 
-def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | None, fused_write: bool) -> None:
-    g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq)
-    num_pages, page, d, max_pages = 24, 4, 16, 6
+def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | None, fused_write: bool,
+                num_splits: int = 1, max_pages: int = 6) -> None:
+    g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq + num_splits)
+    page, d = 4, 16
+    num_pages = num_runs * max_pages + 6
     k_cache = torch.randn(num_pages, page, hkv, d, generator=g)
     v_cache = torch.randn(num_pages, page, hkv, d, generator=g)
     block_tables = (torch.randperm(num_pages - 1, generator=g)[:num_runs * max_pages] + 1).int()
@@ -31,15 +34,53 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     args = (block_tables, slots, positions, d ** -0.5, max_pages * page, window)
     if fused_write:
-        out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, new_kv=new_kv)
+        out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, new_kv=new_kv,
+                                               num_splits=num_splits)
     else:
         kv_write_module.kv_write(*new_kv, *caches[0], block_tables, slots, positions)
-        out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len)
+        out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, num_splits=num_splits)
     kv_write_module.kv_write_ref(*new_kv, *caches[1], block_tables, slots, positions)
     ref = attention_module.paged_attention_ref(q, *caches[1], *args)
     torch.testing.assert_close(caches[0][0], caches[1][0], rtol=0, atol=0)
     torch.testing.assert_close(caches[0][1], caches[1][1], rtol=0, atol=0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _split_cases() -> None:
+    """Split-KV: keys cut into chunks of 16 (one key block), so runs of up to 160 keys use 1..num_splits splits,
+    each split writing the new K/V that falls in it; the merge combines them."""
+    attention_module.BLOCK_N = attention_module.MIN_KEYS_PER_SPLIT = 16
+    try:
+        grid = itertools.product([1, 4], [1, 3], [(4, 2), (3, 3)], [None, 21], [False, True], [2, 5])
+        for query_len, num_runs, (hq, hkv), window, fused, splits in grid:
+            _paged_case(query_len, num_runs, hq, hkv, window, fused, splits, max_pages=40)
+            print(f"ok split paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} "
+                  f"window={window} fused_write={fused} splits={splits}")
+    finally:
+        attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
+    for query_len, window in itertools.product([1, 3], [0, 9]):
+        _merge_case(query_len, window)
+        print(f"ok merge_splits query_len={query_len} window={window}")
+
+
+def _merge_case(query_len: int, window: int) -> None:
+    """The merge kernel against its reference on random partials: splits a run does not use hold garbage, and
+    rows that saw no key in a split carry (-inf, 0)."""
+    g = torch.Generator().manual_seed(query_len + window)
+    num_splits, num_tokens, hq, hkv, d, block = 4, 5 * query_len, 6, 2, 16, 16
+    positions = torch.randint(0, 90, (num_tokens // query_len,), generator=g).repeat_interleave(query_len)
+    positions += torch.arange(query_len).repeat(num_tokens // query_len)
+    positions[:query_len] -= positions[0] - 2  # a run of one chunk: finished by its first split
+    part_acc = torch.randn(num_splits, num_tokens, hq, d, generator=g)
+    part_ml = torch.randn(num_splits, num_tokens, hq, 2, generator=g).abs()
+    part_ml[1, :, 0] = torch.tensor([float("-inf"), 0.0])
+    outs = [torch.full((num_tokens, hq, d), 7.0) for _ in range(2)]
+    args = (positions, query_len, window, block, block)
+    merge_module.merge_splits(part_acc, part_ml, *args[:1], outs[0], *args[1:])
+    merge_module.merge_splits_ref(part_acc, part_ml, *args[:1], outs[1], *args[1:])
+    _, _, used = merge_module.split_geometry_ref(positions, query_len, window, num_splits, block, block)
+    assert (used > 1).any() and (used == 1).any(), used  # both kinds of run
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
 def _skinny_case(rows: int, n: int, k: int, bias: bool, config: tuple[int, int, int, int]) -> None:
@@ -142,6 +183,7 @@ def main() -> None:
         _paged_case(query_len, num_runs, hq, hkv, window, fused)
         print(f"ok paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} window={window} "
               f"fused_write={fused}")
+    _split_cases()
     skinny = itertools.product([1, 4, 16], [(48, 100), (33, 256), (64, 300)], [False, True],
                                [(16, 64, 4, 2), (32, 128, 4, 3)])
     for rows, (n, k), bias, config in skinny:
