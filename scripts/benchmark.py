@@ -6,6 +6,11 @@ TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
     python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
     python scripts/benchmark.py --plot-only runs/bench/benchmark.json
     torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape llama-3.1-70b --no-hf
+    python scripts/benchmark.py --context 2048 8192 32768 --batches 1 8 --attention-backends old split flashinfer xqa
+
+--context: long-context decoding instead (step time against the roofline, prefill tokens/s and TTFT per batch
+size, context and mode: no speculation, EAGLE-3 with K of K drafts forced) and, with --attention-backends, the
+verify step's attention alone per backend; writes context.json and context.png into --out.
 
 Tensor parallel: every rank runs the same schedule; rank 0 writes the results. The roofline is per GPU (this
 rank's weight and KV bytes over one GPU's bandwidth; communication is not in it).
@@ -34,6 +39,13 @@ from tllm_spec.tools.benchmark import (
     sweep_draft_len,
     to_rows,
 )
+from tllm_spec.tools.context_report import (
+    add_context_arguments,
+    check_context_arguments,
+    context_run,
+    plot_context,
+    run_context_benchmark,
+)
 from tllm_spec.tools.random_models import SHAPES, random_spec_model
 
 
@@ -58,14 +70,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-acceptance", type=float, default=0.7, help="per-draft acceptance rate of the sweep: "
                    "k drafts accept sum_i a^i on average (0.7 gives 1.53 of 3)")
     p.add_argument("--out", default="runs/benchmark")
-    p.add_argument("--plot-only", help="re-plot an earlier benchmark.json")
-    return p.parse_args()
+    p.add_argument("--plot-only", help="re-plot an earlier benchmark.json (or context.json)")
+    add_context_arguments(p)
+    args = p.parse_args()
+    check_context_arguments(p, args)
+    return args
 
 
 def main() -> None:
     args = parse_args()
     if args.plot_only:
-        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        data = json.loads(Path(args.plot_only).read_text())
+        (plot_context if data.get("kind") == "context" else plot)(data, Path(args.plot_only).with_suffix(".png"))
+        return
+    if args.context:
+        run_context_benchmark(context_run(args), Path(args.out), Path(args.context_json) if args.context_json else None)
         return
     tp = args.tensor_parallel_size
     if tp > 1 and args.compare_eager:
