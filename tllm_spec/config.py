@@ -206,6 +206,9 @@ class EngineConfig(_Frozen):
     num_pages: int | None = Field(None, ge=1, description="KV pages in the pool; default: enough for "
                                   "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="prompt tokens a step prefills (chunked "
+                                        "prefill): longer prompts enter over several steps, FIFO, while running "
+                                        "requests keep decoding in the same steps; bounds prefill memory")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
     use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral), "
                                    "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "

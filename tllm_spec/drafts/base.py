@@ -66,6 +66,13 @@ class SpecWorkerBase(nn.Module, ABC):
         """(num_kv_heads, head_dim) of the draft network's cache layers, placed after the target's."""
         return []
 
+    @property
+    def context_lookahead(self) -> int:
+        """Prompt tokens after a partial prompt chunk that its draft pass reads: the draft pairs position p with
+        token p + 1, so 1 (vanilla MTP's module k reads token p + k: N). A partial chunk ends at least this many
+        tokens before its prompt's end (chunked prefill)."""
+        return 1
+
     def fuse(self, max_positions: int) -> None:
         """Switch the draft network to its fused inference layers (positions < max_positions); default none."""
 
@@ -163,9 +170,12 @@ class SpecWorkerBase(nn.Module, ABC):
         return ids if d2t is None else ids + d2t[ids]
 
     @staticmethod
-    def row_tokens(new_tokens: torch.Tensor, num_contexts: int) -> torch.Tensor:
-        """The emitted token after each sampling row, in the flat row layout. new_tokens [B, K+1] -> [R]."""
-        return torch.cat([new_tokens[:num_contexts, 0], new_tokens[num_contexts:].flatten()])
+    def row_tokens(new_tokens: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
+        """The token after each sampling row, in the flat row layout: the emitted one, or for a partial prompt
+        chunk the next prompt token (its sampled token is discarded). new_tokens [B, K+1] -> [R]."""
+        num_contexts = spec_metadata.num_context_requests
+        rows = torch.cat([new_tokens[:num_contexts, 0], new_tokens[num_contexts:].flatten()])
+        return spec_metadata.with_next_prompt_tokens(rows, 0)
 
     @staticmethod
     def _prepare_next_new_tokens(new_tokens: torch.Tensor, num_accepted: torch.Tensor,
@@ -181,7 +191,8 @@ class SpecWorkerBase(nn.Module, ABC):
         """Token ids for the draft's first pass: each position paired with the token that follows it.
 
         Inside a prompt that is the next prompt token; at every sampled row (a prompt's last token, each of
-        a generation request's k+1 tokens) it is the target token sampled there.
+        a generation request's k+1 tokens) it is ``target_tokens``' entry: the token sampled there, or after a
+        partial prompt chunk the prompt token that follows it (:meth:`row_tokens`).
         input_ids [T], gather_ids [R], target_tokens [R] -> [T] int64.
         """
         shifted = torch.roll(input_ids, -1)

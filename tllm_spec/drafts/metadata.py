@@ -36,6 +36,12 @@ class SpecMetadata:
     the batch size then picks how many drafts a step has, and so which draws a request makes). The host-side
     flags ``all_greedy``, ``has_request_seeds`` and ``logprobs_width`` are set by :meth:`prepare` from the
     SamplingParams, without reading the device.
+
+    Chunked prefill (:meth:`prepare_chunks`): a context request's tokens may be a chunk of its prompt. A chunk that
+    stops before the prompt's end is *partial*: its row is sampled and the engine discards the token, and the
+    draft pairs the chunk's last positions with the prompt tokens after it (``context_next_tokens``), not with
+    sampled ones. A chunk that starts past position 0 *continues* its prompt (state such as relaxed acceptance's
+    thinking flag carries over from the chunks before it).
     """
 
     def __init__(self, max_num_requests: int, max_draft_len: int, vocab_size: int, device: torch.device | str):
@@ -51,6 +57,12 @@ class SpecMetadata:
         self.seed_per_row = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [R] request seed, 0 if none
         self.seeded_rows = torch.zeros(max_rows, dtype=torch.bool, device=device)  # [R] request has a seed
         self.row_positions = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [R] token position per row
+        # [C, max(1, K)] int64: the prompt tokens after each partial context chunk (the draft's lookahead)
+        self.context_next_tokens = torch.zeros(max_num_requests, max(1, max_draft_len), dtype=torch.int64,
+                                               device=device)
+        self.partial_contexts = torch.zeros(max_num_requests, dtype=torch.bool, device=device)  # [C] bool
+        self.continued_contexts = torch.zeros(max_num_requests, dtype=torch.bool, device=device)  # [C] bool
+        self.has_partial_contexts = self.has_continued_contexts = False  # host flags of the prepared step
         self.num_context_requests = 0
         self.num_generation_requests = 0
         self.draft_len = self.next_draft_len = max_draft_len
@@ -83,6 +95,7 @@ class SpecMetadata:
         """
         draft_len = self.max_draft_len if draft_len is None else draft_len
         self.next_draft_len = self.max_draft_len if next_draft_len is None else next_draft_len
+        self.has_partial_contexts = self.has_continued_contexts = False  # whole prompts unless prepare_chunks
         if self._holds(params, context_lens, draft_len):
             return  # a steady batch: the rows are already there (no host work, no copies)
         self._prepared = (list(params), tuple(context_lens))
@@ -105,6 +118,32 @@ class SpecMetadata:
         if self.has_request_seeds:
             self.seed_per_row[:rows].copy_(seeds, non_blocking=True)
             self.seeded_rows[:rows].copy_(seeded, non_blocking=True)
+
+    def prepare_chunks(self, starts: Sequence[int], next_tokens: Sequence[Sequence[int]]) -> None:
+        """After :meth:`prepare`: where each context request's chunk starts (its first position; empty: all 0)
+        and the prompt tokens right after it (at least the draft's lookahead; empty: the chunk ends its
+        prompt). Copies to the device only when some chunk is partial / continued."""
+        num_ctx = self.num_context_requests
+        self.has_partial_contexts = any(len(t) > 0 for t in next_tokens)
+        self.has_continued_contexts = any(s > 0 for s in starts)
+        if self.has_partial_contexts:
+            width = self.context_next_tokens.shape[1]
+            rows = [list(t[:width]) + [0] * (width - len(t[:width])) for t in next_tokens]
+            self.context_next_tokens[:num_ctx].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+            self.partial_contexts[:num_ctx].copy_(torch.tensor([len(t) > 0 for t in next_tokens]),
+                                                  non_blocking=True)
+        if self.has_continued_contexts:
+            self.continued_contexts[:num_ctx].copy_(torch.tensor([s > 0 for s in starts]), non_blocking=True)
+
+    def with_next_prompt_tokens(self, tokens: torch.Tensor, column: int) -> torch.Tensor:
+        """``tokens`` with each partial context's entry replaced by the prompt token ``column + 1`` places after
+        its chunk's last token (column 0: the next one). tokens [N] int64, one per request or row, context
+        requests first (N >= C) -> [N]. Unchanged (no op) when no chunk is partial."""
+        if not self.has_partial_contexts:
+            return tokens
+        num_ctx = self.num_context_requests
+        ctx = torch.where(self.partial_contexts[:num_ctx], self.context_next_tokens[:num_ctx, column], tokens[:num_ctx])
+        return torch.cat([ctx, tokens[num_ctx:]])
 
     def bind_generation_requests(self, drafts: torch.Tensor) -> None:
         """Take a generation-only step's request count from its drafts' shape [G, k] (the number :meth:`prepare`

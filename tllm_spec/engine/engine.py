@@ -20,6 +20,7 @@ from ..sampling.logprobs import StepLogprobs
 from .detokenizer import Detokenizer
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
 from .runner import ModelRunner
+from .scheduler import StepPlan, plan_step
 
 if TYPE_CHECKING:
     from ..guided.grammar import GrammarMatcher
@@ -35,6 +36,7 @@ class Engine:
         self.kv = runner.kv_cache
         self.k = runner.max_draft_len
         self.max_seq_len = runner.max_seq_len
+        self.max_num_batched_tokens = runner.engine_config.max_num_batched_tokens  # prompt tokens per step
         self.guided_error: str | None = None  # why guided decoding is unavailable (its requests are rejected)
         self.timer = DecodeTimer()  # every decode step since the engine was made
         self.waiting: deque[Request] = deque()
@@ -123,12 +125,17 @@ class Engine:
         return False
 
     def step(self) -> None:
-        """Admit what fits, then run the batch until one of its requests ends or the engine's thread has news;
-        finished requests free their slot and pages before their last output goes out. A step that raises ends
-        its batch's requests with "error" (pages freed, the exception in their last output) and re-raises."""
-        batch = self._admit() + self.running
+        """Admit what fits, plan the step (prompt chunks within ``max_num_batched_tokens``, FIFO, and every
+        generation request: :mod:`.scheduler`), then run it until one of its requests ends or the engine's thread
+        has news; finished requests free their slot and pages before their last output goes out. A step that
+        raises ends the batch's requests with "error" (pages freed, the exception in their last output) and
+        re-raises."""
+        batch = self.running + self._admit()  # admission order: prompt chunks are taken FIFO
+        plan = plan_step(batch, self.max_num_batched_tokens, self.runner.context_lookahead)
+        may_admit = bool(self.waiting) and len(batch) < self.runner.max_batch_size
         try:
-            self._run(batch, may_admit=bool(self.waiting) and len(batch) < self.runner.max_batch_size)
+            if plan.requests:
+                self._run(plan, hold=may_admit or any(r.is_context for r in batch))
         except BaseException as err:
             for r in batch:
                 if not r.finish_reason:
@@ -201,15 +208,17 @@ class Engine:
             admitted.append(self.waiting.popleft())
         return admitted
 
-    def _run(self, batch: list[Request], may_admit: bool) -> None:
-        """Steps for ``batch`` until one of its requests ends (or the batch must change). While a graphed batch
-        stays as it is, the next step is launched before the host reads this one's outputs (its inputs advanced
-        on the device, :meth:`ModelRunner.run_next`), so the host's work hides behind the GPU's; a request
-        that ended meanwhile has that one step's rows dropped. (That step keeps the draft length it was launched
-        with: under a ``draft_len_schedule`` the batch's new size takes effect one step later.)"""
-        step = self._launch(batch)
+    def _run(self, plan: StepPlan, hold: bool) -> None:
+        """Steps for ``plan`` until one of its requests ends (or the batch must change; ``hold``: after one step,
+        for a request that waits for a slot or has prompt tokens to prefill). While a graphed batch stays as it
+        is, the next step is launched before the host reads this one's outputs (its inputs advanced on the device,
+        :meth:`ModelRunner.run_next`), so the host's work hides behind the GPU's; a request that ended meanwhile
+        has that one step's rows dropped. (That step keeps the draft length it was launched with: under a
+        ``draft_len_schedule`` the batch's new size takes effect one step later.)"""
+        batch = plan.requests
+        step = self._launch(plan)
         while True:
-            ahead = self._launch_next(step) if self._can_run_ahead(step, may_admit) else None
+            ahead = self._launch_next(step) if self._can_run_ahead(step, hold) else None
             self._complete(batch, step)
             if ahead is None:
                 return
@@ -218,59 +227,55 @@ class Engine:
                 self._complete(batch, step)
                 return
 
-    def _can_run_ahead(self, step: _Launched, may_admit: bool) -> bool:
+    def _can_run_ahead(self, step: _Launched, hold: bool) -> bool:
         """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
-        its draft length and has no grammar, with no waiting request it could admit and no news for the engine's
-        thread (a new request, an abort). (A step run ahead for a
+        its draft length and has no grammar, with no waiting request it could admit, no prompt chunk pending
+        (``hold``) and no news for the engine's thread (a new request, an abort). (A step run ahead for a
         request that has just ended writes K/V at most K + 1 positions past what the request reserved: into the
         scratch page, :attr:`ModelRunner.max_positions_per_request`.)"""
-        return not step.has_context and not may_admit and self.runner.can_run_next() and not self.should_yield()
+        return not step.has_context and not hold and self.runner.can_run_next() and not self.should_yield()
 
-    def _launch(self, batch: list[Request]) -> _Launched:
-        """Build the step's flat inputs on the host (context requests first) and launch it. Generation requests
+    def _launch(self, plan: StepPlan) -> _Launched:
+        """Build the step's flat inputs on the host (prompt chunks first) and launch it. Generation requests
         verify the drafts they hold (every running request holds as many: the previous step proposed them for
         all) and the step proposes the schedule's number for this batch size."""
         start = time.perf_counter()
-        contexts = [r for r in batch if r.is_context]
-        generating = [r for r in batch if not r.is_context]
+        batch, chunks, generating = plan.requests, plan.chunks, plan.generating
         draft_len = len(generating[0].next_input) - 1 if generating else self.k
         next_draft_len = self.runner.draft_len_for(len(batch))
-        ids, positions, slots = [], [], []
-        for r in batch:
-            tokens = r.prompt if r.is_context else r.next_input
-            ids += tokens
-            positions += range(r.num_cached, r.num_cached + len(tokens))
-            slots += [r.slot] * len(tokens)
-        drafts = [t for r in batch if not r.is_context for t in r.next_input[1:]]
+        ids, positions, slots = plan.flat_inputs()
+        drafts = [t for r in generating for t in r.next_input[1:]]
         if self.runner.guided_decoder is not None:  # grammar masks for this step, filled before it runs
             self.runner.guided_decoder.build([r.matcher for r in batch],
-                                                   [[] if r.is_context else r.next_input[1:] for r in batch])
+                                             [[]] * len(chunks) + [r.next_input[1:] for r in generating])
+        lookahead = self.runner.context_lookahead
         packed = self.runner.step(ids, positions, slots, drafts, [r.params for r in batch],
-                                 tuple(len(r.prompt) for r in contexts), draft_len, next_draft_len)
-        return self._copy_out(packed, start, draft_len, next_draft_len, bool(contexts), chained=False)
+                                  tuple(c.length for c in chunks), draft_len, next_draft_len,
+                                  tuple(c.start for c in chunks), tuple(c.next_tokens(lookahead) for c in chunks))
+        return self._copy_out(packed, start, draft_len, next_draft_len, tuple(c.end for c in chunks), chained=False)
 
     def _launch_next(self, step: _Launched) -> _Launched:
         start = time.perf_counter()
         packed = self.runner.run_next()
-        return self._copy_out(packed, start, step.draft_len, step.next_draft_len, False, chained=True)
+        return self._copy_out(packed, start, step.draft_len, step.next_draft_len, (), chained=True)
 
-    def _copy_out(self, packed: torch.Tensor, start: float, draft_len: int, next_draft_len: int, has_context: bool,
-                  chained: bool) -> _Launched:
+    def _copy_out(self, packed: torch.Tensor, start: float, draft_len: int, next_draft_len: int,
+                  context_ends: tuple[int, ...], chained: bool) -> _Launched:
         """Queue the step's one device-to-host copy (into the pinned buffer not in use) behind its kernels."""
         if not packed.is_cuda:  # a copy: a static output buffer is overwritten by the next replay
-            return _Launched(packed.clone(), None, draft_len, next_draft_len, has_context, chained, start,
+            return _Launched(packed.clone(), None, draft_len, next_draft_len, context_ends, chained, start,
                              time.perf_counter() - start)
         self._buffer ^= 1
         host = self._host_buffers[self._buffer][:packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(host, ready, draft_len, next_draft_len, has_context, chained, start,
+        return _Launched(host, ready, draft_len, next_draft_len, context_ends, chained, start,
                          time.perf_counter() - start)
 
     def _complete(self, batch: list[Request], step: _Launched) -> None:
         """Wait for the step's outputs and update its requests on the host (a request that has already ended
-        skips its rows: they come from a step launched ahead)."""
+        skips its rows: they come from a step launched ahead; a partial prompt chunk only advances its cache)."""
         if step.ready is not None:
             step.ready.synchronize()
         waited = time.perf_counter()
@@ -281,8 +286,10 @@ class Engine:
             if not used:
                 continue
             n = row[self.k + 1]
-            if r.is_context:
-                r.num_cached = len(r.prompt)
+            if b < len(step.context_ends):
+                r.num_cached = step.context_ends[b]
+                if r.is_context:
+                    continue  # a partial prompt chunk: what the step sampled and drafted for it is discarded
             else:
                 r.num_cached += n
                 if step.draft_len or not self.k:  # a speculative step scheduled without drafts is not counted
@@ -307,7 +314,12 @@ class _Launched:
     ready: torch.cuda.Event | None
     draft_len: int
     next_draft_len: int
-    has_context: bool  # a step with prompts: never graphed, never timed as a decode step
+    context_ends: tuple[int, ...]  # where each prompt chunk of the step ends (its first rows)
     chained: bool  # launched by run_next, before the step before it was read
     start: float
     host_seconds: float
+
+    @property
+    def has_context(self) -> bool:
+        """A step with prompt chunks: never graphed, never timed as a decode step."""
+        return bool(self.context_ends)

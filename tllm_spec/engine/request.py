@@ -133,7 +133,8 @@ class Request:
 
     @property
     def is_context(self) -> bool:
-        return self.num_cached == 0
+        """Its prompt is not all cached yet (chunked prefill takes it over one or more steps)."""
+        return self.num_cached < len(self.prompt)
 
     def append(self, tokens: list[int]) -> None:
         """Append accepted tokens, stopping at a stop id, a stop string or the length limit (the rest is

@@ -154,12 +154,21 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.capture_all(params)
 
+    @property
+    def context_lookahead(self) -> int:
+        """Prompt tokens after a partial prompt chunk that the draft reads (SpecWorkerBase.context_lookahead)."""
+        return self.worker.context_lookahead
+
     def step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
              params: list[SamplingParams], context_lens: tuple[int, ...], draft_len: int | None = None,
-             next_draft_len: int | None = None) -> torch.Tensor:
+             next_draft_len: int | None = None, context_starts: tuple[int, ...] = (),
+             context_next_tokens: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
         """Run one step from host-side inputs (flat layout, context requests first); returns the packed
         outputs [B, 2K+3 (+ logprob columns)] on the device. ``draft_len``: drafts each generation request verifies,
-        ``next_draft_len``: drafts to propose (both default max_draft_len). Generation-only batches replay a
+        ``next_draft_len``: drafts to propose (both default max_draft_len). Chunked prefill: ``context_lens`` are
+        the prompt tokens of each context request in this step, from position ``context_starts`` (empty: 0), and
+        ``context_next_tokens`` the prompt tokens after a chunk that does not end its prompt (at least
+        :attr:`context_lookahead` of them; () for a chunk that does; empty: none). Generation-only batches replay a
         CUDA graph when one is enabled."""
         k = self.max_draft_len if draft_len is None else draft_len
         next_k = self.max_draft_len if next_draft_len is None else next_draft_len
@@ -167,11 +176,12 @@ class ModelRunner:
         if self.graph_runner is not None and not context_lens and self.graph_runner.bucket(num_gen):
             return self.graph_runner.run(ids, positions, slots, drafts, params, k, next_k)
         self.spec_metadata.prepare(params, context_lens, k, next_k)
+        self.spec_metadata.prepare_chunks(context_starts, context_next_tokens)
         device = self.device
         attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
                                        torch.tensor(positions, device=device),
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
-                                       tokens_per_request=k + 1)
+                                       tokens_per_request=k + 1, context_starts=context_starts)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
         return self.model.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
 

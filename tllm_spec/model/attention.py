@@ -6,10 +6,12 @@ argument, which transformers forwards from the model call to every attention fun
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from ..kernels.kv_write import kv_write
@@ -17,6 +19,7 @@ from ..kernels.paged_attention import paged_attention
 from .kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "tllm_spec"
+_QUERY_BLOCK = 2048  # query rows per SDPA call of a chunk that continues a prompt
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,10 @@ class AttentionMetadata:
     positions [N] int64; token_slots [N] int64 (block-table row per token); write_slots [N] int64 or None
     (the row each token's K/V is written through, when it differs from token_slots: the padding slot sends a
     write to the scratch page). Host values, fixed when the step is built (never read back from the device):
-    ``context_lens``, the prompt lengths of the context requests, whose tokens come first and attend only to
-    themselves; ``max_kv_len``, a bound on positions + 1 (limits the reference's work);
+    ``context_lens``, the prompt tokens of each context request in this forward (a whole prompt or a chunk of
+    it), which come first; ``context_starts``, the position of each one's first token (empty: all 0): a chunk
+    from 0 attends only to itself, a later chunk also to its request's cached K/V before it;
+    ``max_kv_len``, a bound on positions + 1 (limits the reference's work);
     ``tokens_per_request``, how many consecutive non-context tokens share a request (K+1 in a step's verify
     rows, 1 in a draft pass): the GPU kernel reads each request's K/V once for all of them.
     """
@@ -39,16 +44,23 @@ class AttentionMetadata:
     context_lens: tuple[int, ...] = ()
     write_slots: torch.Tensor | None = None
     tokens_per_request: int = 1
+    context_starts: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, kv_cache: KVCache, token_slots: torch.Tensor, positions: torch.Tensor, max_kv_len: int,
-              context_lens: tuple[int, ...] = (), tokens_per_request: int = 1) -> AttentionMetadata:
+              context_lens: tuple[int, ...] = (), tokens_per_request: int = 1,
+              context_starts: tuple[int, ...] = ()) -> AttentionMetadata:
         return cls(kv_cache, positions, token_slots, max_kv_len, tuple(context_lens),
-                   tokens_per_request=tokens_per_request)
+                   tokens_per_request=tokens_per_request, context_starts=tuple(context_starts))
 
     @property
     def num_context_tokens(self) -> int:
         return sum(self.context_lens)
+
+    @property
+    def chunk_starts(self) -> tuple[int, ...]:
+        """The position of each context request's first token in this forward (0: a prompt's start)."""
+        return self.context_starts or (0,) * len(self.context_lens)
 
     def for_tokens(self, token_slots: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
         """Metadata for one new token per request (a draft step), same bounds, no context part."""
@@ -59,9 +71,9 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
            sliding_window: int | None = None) -> torch.Tensor:
     """Store k, v for this forward's tokens in ``layer`` and attend. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
 
-    On the GPU, context tokens (a whole prompt each, positions from 0) attend to their own prompt with
-    dense causal attention on this forward's k, v, and the other tokens read the paged cache. On the CPU the
-    paged reference serves every token in one batched call (cheaper than a call per short prompt). Under
+    On the GPU, context tokens go through :func:`context_attention` (dense causal attention per prompt chunk)
+    and the other tokens read the paged cache. On the CPU the paged reference serves every token in one batched
+    call (cheaper than a call per short prompt; it takes any positions, so chunks need nothing more). Under
     torch.compile the write and the paged attention are one custom op, opaque to Inductor.
     """
     cache = meta.kv_cache
@@ -77,8 +89,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
                   meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
     kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
-    out[:num_ctx] = prefill_attention(q[:num_ctx], k[:num_ctx], v[:num_ctx], meta.context_lens, scale,
-                                      sliding_window)
+    out[:num_ctx] = context_attention(layer, q[:num_ctx], k[:num_ctx], v[:num_ctx], meta, scale, sliding_window)
     if num_ctx < q.shape[0]:
         out[num_ctx:] = paged_attention(q[num_ctx:], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
@@ -108,6 +119,61 @@ _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", wr
 def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
       sliding_window, query_len):
     return q.new_empty(q.shape)
+
+
+def context_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """The context chunks' attention (their K/V already written). q [C, Hq, D]; k, v [C, Hkv, D] -> [C, Hq, D],
+    C = meta.num_context_tokens. A chunk from position 0 attends to itself (dense causal SDPA on this forward's
+    k, v); a chunk from p > 0 to its request's cached positions [0, p + n) (:func:`cached_prefix_attention`, or
+    the paged kernel under a sliding window)."""
+    starts = meta.chunk_starts
+    if not any(starts):
+        return prefill_attention(q, k, v, meta.context_lens, scale, sliding_window)
+    cache = meta.kv_cache
+    out = torch.empty_like(q)
+    offset = 0
+    for n, start in zip(meta.context_lens, starts):
+        rows = slice(offset, offset + n)
+        if start == 0:
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], (n,), scale, sliding_window)
+        elif sliding_window is not None:
+            out[rows] = paged_attention(q[rows], cache.k[layer], cache.v[layer], cache.block_tables,
+                                        meta.token_slots[rows], meta.positions[rows], scale, meta.max_kv_len,
+                                        sliding_window)
+        else:
+            block_table = cache.block_tables.index_select(0, meta.token_slots[offset:offset + 1])  # [1, P]
+            out[rows] = cached_prefix_attention(q[rows], cache.k[layer], cache.v[layer], block_table, start, scale)
+        offset += n
+    return out
+
+
+def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of one prompt chunk at positions [start, start + n) over its request's cached K/V at
+    positions [0, start + n) (the chunk's own K/V already written): query i sees keys 0 .. start + i.
+
+    q [n, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_table [1, P] int32 (the request's row,
+    on the device: no host sync) -> [n, Hq, D]. The K/V pages are gathered into [Hq, start + n, D] (k, v repeated
+    to the query heads: the SDPA backends that take a lower-right causal mask do not all take grouped heads), and
+    queries go in blocks of at most _QUERY_BLOCK rows, each one SDPA call with a lower-right causal bias: the
+    flash / memory-efficient kernels build no mask or score tensor, and a backend that has to materialise the
+    bias builds [_QUERY_BLOCK, start + n] at most, never [n, start + n]."""
+    n, num_q_heads, _ = q.shape
+    num_keys, page_size = start + n, k_cache.shape[1]
+    pages = block_table[0, :math.ceil(num_keys / page_size)].long()
+    group = num_q_heads // k_cache.shape[2]
+    k, v = (c[pages].flatten(0, 1)[:num_keys].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            for c in (k_cache, v_cache))  # [Hq, start + n, D]
+    out = torch.empty_like(q)
+    for first in range(0, n, _QUERY_BLOCK):
+        last = min(n, first + _QUERY_BLOCK)
+        keys = start + last
+        qs = q[first:last].transpose(0, 1)[None]  # [1, Hq, rows, D]
+        o = F.scaled_dot_product_attention(qs, k[None, :, :keys], v[None, :, :keys], scale=scale,
+                                           attn_mask=causal_lower_right(last - first, keys))
+        out[first:last] = o[0].transpose(0, 1)
+    return out
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,

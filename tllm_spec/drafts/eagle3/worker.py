@@ -27,6 +27,9 @@ class Eagle3OneModelWorker(SpecWorkerBase):
       first pass sees positions 4-7 paired with ``t0 t1 t2 t3``; only rows 4-5 are valid and the next
       draft comes from row 5 (n - 1); its one-token passes write draft KV at positions 6, 7, which the
       next step's first pass overwrites.
+    * chunked prefill, chunks ``A B`` then ``C D``: the first chunk's draft pass pairs positions 0-1 with
+      ``B C`` (``C``, the next prompt token, is known on the host); what it samples and drafts is discarded.
+      The second chunk runs as step 1 above over positions 2-3, attending the KV of 0-1 that the first wrote.
     """
 
     def __init__(self, max_draft_len: int, draft_model: Eagle3DraftModel, use_flashinfer: bool = True,
@@ -55,7 +58,7 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
                                                       target_logits, attn.token_slots[first_tokens])
         self._add_guided_draft_batch_if_present(num_accepted)
-        next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, num_contexts), target_features,
+        next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, spec_metadata), target_features,
                                        num_accepted, attn, spec_metadata)
         return {
             "new_tokens": new_tokens,

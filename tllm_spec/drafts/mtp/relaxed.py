@@ -8,9 +8,9 @@ target's. Inside thinking the output is no longer the target's own: accepted row
 (the bonus / correction row still holds the target's token). Off by default (``MTPConfig``).
 
 Thinking state lives per KV slot on the device. A context request starts in the state its prompt leaves
-(the later of its last begin / end marker); each step the state switches at every marker among the accepted
-tokens. Unlike TensorRT-LLM's kernel, which evaluates a whole window with the state at the start of the
-step, the state here switches at the marker's position inside the window: a draft after an accepted
+(the later of its last begin / end marker; a prompt prefilled in chunks keeps the state in its slot between
+chunks); each step the state switches at every marker among the accepted tokens. Unlike TensorRT-LLM's
+kernel, which evaluates a whole window with the state at the start of the step, the state here switches at the marker's position inside the window: a draft after an accepted
 ``</think>`` is judged strictly, one after an accepted ``<think>`` relaxed.
 """
 from __future__ import annotations
@@ -30,11 +30,15 @@ class RelaxedAcceptance(nn.Module):
         self.register_buffer("thinking_per_slot", torch.zeros(max_batch_size + 1, dtype=torch.bool, device=device),
                              persistent=False)  # [slots + the CUDA-graph padding slot] bool
 
-    def start_state(self, input_ids: torch.Tensor, ctx_last_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def start_state(self, input_ids: torch.Tensor, ctx_last_ids: torch.Tensor, slots: torch.Tensor,
+                    continued: torch.Tensor | None = None) -> torch.Tensor:
         """Thinking state of each request before this step's drafts. input_ids [T]; ctx_last_ids [C] flat index of
-        each context request's last prompt token; slots [B] (context first). Returns [B] bool."""
+        each context request's last prompt token; slots [B] (context first); continued [C] bool or None (none):
+        context requests whose tokens continue a prompt chunked over several steps, which start from the state
+        kept for their slot. Returns [B] bool."""
         num_ctx = ctx_last_ids.shape[0]
-        ctx_state = prompt_thinking_state(input_ids, ctx_last_ids, self.begin, self.end)
+        carried = None if continued is None else continued & self.thinking_per_slot[slots[:num_ctx]]
+        ctx_state = prompt_thinking_state(input_ids, ctx_last_ids, self.begin, self.end, carried)
         return torch.cat([ctx_state, self.thinking_per_slot[slots[num_ctx:]]])
 
     def accept(self, gen_logits: torch.Tensor, gen_target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
@@ -74,10 +78,12 @@ def relaxed_acceptance(logits: torch.Tensor, target_tokens: torch.Tensor, draft_
     return num_accepted, tokens
 
 
-def prompt_thinking_state(input_ids: torch.Tensor, ctx_last_ids: torch.Tensor, begin: int, end: int
-                          ) -> torch.Tensor:
+def prompt_thinking_state(input_ids: torch.Tensor, ctx_last_ids: torch.Tensor, begin: int, end: int,
+                          carried: torch.Tensor | None = None) -> torch.Tensor:
     """Per context request: did its prompt's last marker open thinking? input_ids [T] (context requests'
-    prompts first, back to back, then generation tokens); ctx_last_ids [C] int64. Returns [C] bool."""
+    prompts first, back to back, then generation tokens); ctx_last_ids [C] int64; carried [C] bool or None
+    (all False): the state before each prompt's tokens here (a chunk's earlier chunks), kept where they hold no
+    marker. Returns [C] bool."""
     if ctx_last_ids.numel() == 0:
         return torch.zeros(0, dtype=torch.bool, device=input_ids.device)
     # generation tokens follow every prompt, so a running maximum up to a prompt's end only sees prompts
@@ -85,7 +91,9 @@ def prompt_thinking_state(input_ids: torch.Tensor, ctx_last_ids: torch.Tensor, b
     positions = torch.arange(input_ids.shape[0], device=input_ids.device)
     last_marker = torch.where(marker != 0, positions, -1).cummax(0).values[ctx_last_ids]
     starts = torch.cat([ctx_last_ids.new_zeros(1), ctx_last_ids[:-1] + 1])
-    return (last_marker >= starts) & (marker[last_marker.clamp(min=0)] == 1)
+    opened = marker[last_marker.clamp(min=0)] == 1
+    found = last_marker >= starts
+    return found & opened if carried is None else torch.where(found, opened, carried)
 
 
 def thinking_state_after(tokens: torch.Tensor, num_accepted: torch.Tensor, thinking: torch.Tensor, begin: int,

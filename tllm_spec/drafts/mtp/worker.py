@@ -57,7 +57,7 @@ class _MTPWorkerBase(SpecWorkerBase):
             new_tokens, num_accepted = self._accept_relaxed(input_ids, target_logits, target_tokens, draft_tokens,
                                                             slots, spec_metadata)
         # the accepted token after each row (under relaxed acceptance possibly a draft, not the target's)
-        row_tokens = self.row_tokens(new_tokens, num_ctx)
+        row_tokens = self.row_tokens(new_tokens, spec_metadata)
         self._add_guided_draft_batch_if_present(num_accepted)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata)
         return {
@@ -85,7 +85,8 @@ class _MTPWorkerBase(SpecWorkerBase):
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like :meth:`accept_tokens` with the relaxed rule; updates the per-slot thinking state. slots [B]."""
         num_ctx = spec_metadata.num_context_requests
-        thinking = self.relaxed.start_state(input_ids, spec_metadata.gather_ids[:num_ctx], slots)
+        continued = spec_metadata.continued_contexts[:num_ctx] if spec_metadata.has_continued_contexts else None
+        thinking = self.relaxed.start_state(input_ids, spec_metadata.gather_ids[:num_ctx], slots, continued)
         num_gen_accepted, gen_tokens = self.relaxed.accept(target_logits[num_ctx:], target_tokens[num_ctx:],
                                                            draft_tokens, thinking[num_ctx:])
         if self.forcing:
@@ -95,7 +96,11 @@ class _MTPWorkerBase(SpecWorkerBase):
         ctx_tokens[:, 0] = target_tokens[:num_ctx]
         new_tokens = torch.cat([ctx_tokens, gen_tokens])
         num_accepted = torch.cat([num_gen_accepted.new_ones(num_ctx), num_gen_accepted])
-        self.relaxed.commit(new_tokens, num_accepted, thinking, slots)
+        emitted = num_accepted
+        if spec_metadata.has_partial_contexts:  # a partial prompt chunk emits nothing: it keeps its prompt's state
+            ctx_emitted = torch.where(spec_metadata.partial_contexts[:num_ctx], 0, num_accepted[:num_ctx])
+            emitted = torch.cat([ctx_emitted, num_accepted[num_ctx:]])
+        self.relaxed.commit(new_tokens, emitted, thinking, slots)
         return new_tokens, num_accepted
 
 
@@ -166,6 +171,10 @@ class MTPWorker(_MTPWorkerBase):
     target hiddens and tokens are kept per KV slot on the device, plus the step's N+1 tokens. Positions past
     the accepted length are junk (written, never read); negative positions write to the scratch page.
 
+    Chunked prefill: a partial prompt chunk ending before position e reads x[e .. e+N-1], prompt tokens known on
+    the host (``context_lookahead`` = N: such a chunk ends at least N tokens before its prompt's end), so every
+    module's KV over the chunk is final; the final chunk (at least N tokens) runs as a whole prompt does.
+
     Worked trace, N = 3, prompt ``A B C D`` (positions 0-3), h_p target hidden, g^k_p module k's hand-on:
 
     * step 1 (context): target samples ``E``. Module 1 sees ``(B,h_0) (C,h_1) (D,h_2) (E,h_3)`` at 0-3 and
@@ -189,6 +198,10 @@ class MTPWorker(_MTPWorkerBase):
         self.register_buffer("past_hidden", torch.zeros(num_slots, window, hidden_size, dtype=dtype,
                                                         device=device), persistent=False)  # [slots, N-1, H] h_p
 
+    @property
+    def context_lookahead(self) -> int:
+        return self.max_draft_len  # module N at a chunk's last position p reads x[p+N]
+
     def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
               num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
         gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
@@ -203,7 +216,9 @@ class MTPWorker(_MTPWorkerBase):
             drafts.append(self._propose(k, out[last], k, slots, spec_metadata))
             if k + 1 < self.max_draft_len:
                 hidden = self.draft_model.feedback(k, out)
-                tokens = torch.roll(tokens, -1).index_copy(0, last, drafts[-1])  # x[i+k+1]; draft at the last row
+                # x[i+k+1]: the draft at the last row (a partial prompt chunk: the prompt token there)
+                at_last = spec_metadata.with_next_prompt_tokens(drafts[-1], k + 1)
+                tokens = torch.roll(tokens, -1).index_copy(0, last, at_last)
         return torch.stack(drafts, dim=1)
 
     def _window_batch(self, next_ids: torch.Tensor, features: torch.Tensor, num_accepted: torch.Tensor,

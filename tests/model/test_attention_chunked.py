@@ -1,0 +1,86 @@
+"""The GPU path of a prompt chunk that continues a prompt (cached_prefix_attention, context_attention) equals the
+paged reference, which takes any positions. Both are torch ops, so this runs on the CPU: the SDPA backend differs
+from the GPU's (flash / memory-efficient there), the gathering, masking and GQA handling are the same code."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tllm_spec.kernels.paged_attention import paged_attention_ref
+from tllm_spec.model import attention
+from tllm_spec.model.attention import AttentionMetadata, cached_prefix_attention, context_attention
+from tllm_spec.model.kv_cache import KVCache
+
+PAGE, HKV, D, SCALE = 4, 2, 16, 0.25
+
+
+def random_cache(num_requests: int, max_tokens: int, seed: int = 0) -> KVCache:
+    """A one-layer cache whose pages hold random K/V, each request's pages scattered over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_request = -(-max_tokens // PAGE)
+    kv = KVCache([(HKV, D)], 1 + num_requests * pages_per_request, PAGE, num_requests, max_tokens, torch.float32,
+                 "cpu")
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    pages = 1 + torch.randperm(num_requests * pages_per_request, generator=g)
+    kv.block_tables[:num_requests] = pages.view(num_requests, pages_per_request).to(torch.int32)
+    return kv
+
+
+def cached_kv(kv: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V that the cache holds for these tokens ([N, Hkv, D] each): this forward's own k, v."""
+    index = kv.write_index(slots, positions)
+    return kv.k[0].view(-1, HKV, D)[index], kv.v[0].view(-1, HKV, D)[index]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("start, n", [(1, 1), (3, 5), (4, 4), (7, 17), (13, 3), (16, 11)])
+@pytest.mark.parametrize("query_block", [2048, 3])
+def test_cached_prefix_attention_matches_paged_reference(group, start, n, query_block, monkeypatch):
+    """Offsets inside a page, on a page boundary and several pages in; chunks within a page and across several;
+    queries in one block and in blocks of 3 (each block's causal mask aligned to its own last key)."""
+    monkeypatch.setattr(attention, "_QUERY_BLOCK", query_block)
+    kv = random_cache(2, 40)
+    q = torch.randn(n, HKV * group, D, generator=torch.Generator().manual_seed(1))
+    slots = torch.full((n,), 1)
+    positions = torch.arange(start, start + n)
+    ref = paged_attention_ref(q, kv.k[0], kv.v[0], kv.block_tables, slots, positions, SCALE, start + n)
+    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[1:2], start, SCALE)
+    torch.testing.assert_close(out, ref)
+
+
+def test_cached_prefix_attention_reads_only_the_keys_before_each_query():
+    """Keys past the chunk's last position (a later chunk, rejected drafts) do not leak into its queries."""
+    kv = random_cache(1, 32)
+    q = torch.randn(5, HKV, D)
+    before = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 6, SCALE)
+    kv.k[0].view(-1, HKV, D)[kv.write_index(torch.zeros(3, dtype=torch.int64), torch.arange(11, 14))] = 1e4
+    assert torch.equal(cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 6, SCALE), before)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", [None, 3])
+def test_context_attention_of_mixed_chunks_matches_paged_reference(group, window):
+    """A batch of chunks as the engine packs them: a prompt from 0, chunks continuing prompts at offsets that cross
+    page boundaries (sliding window: the paged kernel serves those)."""
+    lens, starts = (6, 5, 1, 9), (0, 7, 12, 4)
+    kv = random_cache(len(lens), 32)
+    slots = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    q = torch.randn(sum(lens), HKV * group, D, generator=torch.Generator().manual_seed(2))
+    k, v = cached_kv(kv, slots, positions)
+    meta = AttentionMetadata.build(kv, slots, positions, 32, lens, context_starts=starts)
+    ref = paged_attention_ref(q, kv.k[0], kv.v[0], kv.block_tables, slots, positions, SCALE, 32, window)
+    torch.testing.assert_close(context_attention(0, q, k, v, meta, SCALE, window), ref)
+
+
+def test_cached_prefix_attention_in_bfloat16():
+    kv = random_cache(1, 40)
+    kv.k[0], kv.v[0] = kv.k[0].bfloat16(), kv.v[0].bfloat16()
+    q = torch.randn(9, 4 * HKV, D).bfloat16()
+    positions = torch.arange(10, 19)
+    ref = paged_attention_ref(q, kv.k[0], kv.v[0], kv.block_tables, torch.zeros(9, dtype=torch.int64), positions,
+                              SCALE, 19)
+    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 10, SCALE)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
