@@ -56,6 +56,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    f"{DEMO_MODEL_NAME})")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together (default: the engine's)")
     p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens (default: the target's)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="prompt tokens prefilled per step; longer prompts "
+                   "go in chunks between decode steps (default: the engine's, 8192)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests in flight before 429")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
@@ -77,8 +79,9 @@ def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
 
 
 def load_model(args: argparse.Namespace) -> SpecModel:
-    engine_kwargs = {name: value for name, value in (("max_batch_size", args.max_batch_size),
-                                                     ("max_seq_len", args.max_seq_len)) if value is not None}
+    flags = (("max_batch_size", args.max_batch_size), ("max_seq_len", args.max_seq_len),
+             ("max_num_batched_tokens", args.max_num_batched_tokens))
+    engine_kwargs = {name: value for name, value in flags if value is not None}
     return SpecModel.from_pretrained(args.target or DEMO_TARGET, spec_config_of(args), dtype=args.dtype,
                                      device=args.device, **engine_kwargs)
 
