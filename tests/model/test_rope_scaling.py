@@ -120,7 +120,8 @@ def test_eagle3_greedy_lossless_past_original_max(arch, fused):
 @pytest.mark.parametrize("mtp", [MTPConfig(num_nextn_predict_layers=2, use_mtp_vanilla=True),
                                  MTPConfig(num_nextn_predict_layers=1, max_draft_len=3)], ids=["vanilla", "eagle"])
 def test_mtp_greedy_lossless_past_original_max(arch, mtp):
-    """MTP modules share the target's rotary embedding (and its table once fused): same output as HF greedy."""
+    """MTP modules share the target's rotary embedding (and its table once fused): same output as HF greedy
+    (breaks if that table capped positions at original_max_position_embeddings or lost the scaling)."""
     target, _ = scaled_pair(arch)
     model = SpecModel.from_pretrained(target, mtp, max_batch_size=2)
     draft = model.worker.draft_model
