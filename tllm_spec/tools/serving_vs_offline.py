@@ -1,0 +1,115 @@
+"""The server against offline decoding on one model: random weights of a named shape (no download), acceptance
+forced, the same random prompts offline (``generate``) and through the OpenAI server (a real uvicorn server in
+this process, the load generator ``tllm-spec bench-serve`` in a child process so that neither steals the
+other's interpreter).
+
+Reported: offline step time, tokens per step and their ratio (the time per output token a lone stream can
+reach), offline generate() throughput at a concurrency's batch, and the server's TPOT and output throughput at
+each concurrency, with the ratios the serving targets name.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+from tokenizers import Tokenizer, models
+from transformers import AutoConfig
+
+from ..config import SamplingParams
+from ..serve.app import build_app
+from ..spec_model import SpecModel
+from .bench_serving import random_prompts
+from .benchmark import force_acceptance
+from .random_models import SHAPES, random_spec_model
+
+
+def numbered_tokenizer(vocab_size: int):
+    """A tokenizer whose token i reads "t<i>" (random targets ship none; the server needs text out)."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+
+
+def offline(model: SpecModel, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """generate() over ``prompts`` at once (ignore_eos, ``output_len`` tokens each): output tokens per second."""
+    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+    model.generate(prompts, params)  # warm: graphs of this batch size
+    start = time.perf_counter()
+    outs = model.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    step_ms, per_step = outs.stats["step_ms"], outs.stats["mean_accepted_length"]
+    return {"batch": len(prompts), "output_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+            "step_ms": step_ms, "tokens_per_step": per_step, "step_ms_per_token": step_ms / per_step}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_in_thread(model: SpecModel, name: str) -> tuple[uvicorn.Server, str]:
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(model, name), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the server did not come up")
+
+
+def bench_serve(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+                out_dir: Path) -> dict:
+    """``tllm-spec bench-serve`` in a child process; its JSON report."""
+    out = out_dir / f"concurrency-{concurrency}"
+    cmd = [sys.executable, "-m", "tllm_spec.serve.cli", "bench-serve", "--base-url", url, "--concurrency",
+           str(concurrency), "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
+           "--output-len", str(output_len), "--vocab-size", str(vocab_size), "--out", str(out)]
+    subprocess.run(cmd, check=True)
+    return json.loads((out / "bench_serving.json").read_text())
+
+
+def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
+        out_dir: Path, device: str = "cuda") -> dict:
+    """Offline, then the server, per concurrency (the offline batch: the first ``concurrency`` prompts, the batch
+    the server keeps running); results in ``out_dir/serving_vs_offline.json`` (written after each point)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = AutoConfig.for_model("llama", **SHAPES[shape]).vocab_size  # as random_spec_model builds it
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = random_spec_model(shape, "eagle3", 3, tempfile.mkdtemp(), dtype, device,
+                              max_batch_size=max(concurrencies), tokenizer=numbered_tokenizer(vocab))
+    force_acceptance(model, forced)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    result: dict = {"shape": shape, "forced": forced, "device": gpu, "input_len": input_len, "output_len": output_len,
+                    "points": []}
+    server, url = serve_in_thread(model, shape)
+    for c in concurrencies:
+        prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
+        ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
+        report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir)
+        summary = report["summary"]
+        result["points"].append({"concurrency": c, "offline": ref, "server": summary,
+                                 "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"]
+                                 / ref["step_ms_per_token"],
+                                 "server_over_offline_throughput": summary["output_throughput"]
+                                 / ref["tokens_per_second"]})
+        print(json.dumps({k: v for k, v in result["points"][-1].items() if k != "server"}), flush=True)
+        (out_dir / "serving_vs_offline.json").write_text(json.dumps(result, indent=1))
+    server.should_exit = True
+    return result
