@@ -69,3 +69,15 @@ def test_a_template_bos_is_dropped_when_encoding_adds_one():
     messages = [{"role": "user", "content": "hi"}]
     assert ChatTemplate(_BosTokenizer(), lambda text: [1, 7]).render(messages) == "[user]hi[assistant]"
     assert ChatTemplate(_BosTokenizer(), lambda text: [7]).render(messages) == "<s>[user]hi[assistant]"
+
+
+def test_the_server_shortens_the_gil_switch_interval(mtp_model, monkeypatch):
+    """The engine's thread must not wait Python's default 5 ms for the GIL while the event loop writes chunks."""
+    import sys
+
+    from tllm_spec.serve.app import GIL_SWITCH_INTERVAL_S
+    intervals: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", intervals.append)
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)  # Python's default
+    build_app(mtp_model, "mtp")
+    assert intervals == [GIL_SWITCH_INTERVAL_S] and GIL_SWITCH_INTERVAL_S <= 0.001
