@@ -18,6 +18,7 @@ from tllm_spec.engine.cuda_graphs import CUDAGraphRunner
 from tllm_spec.engine.engine import Engine
 from tllm_spec.engine.request import Request, StreamOutput
 from tllm_spec.engine.runner import ModelRunner
+from tllm_spec.model.kv_cache import KVCache
 from tllm_spec.engine.scheduler import schedule_chunks
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.random_models import save_random_target, target_config
@@ -169,8 +170,10 @@ def test_a_running_request_emits_every_step_while_a_long_prompt_is_chunked():
     engine.step()
 
 
-def test_abort_mid_prefill_frees_everything():
-    model = load("vanilla3", 5)
+def _long_prompt_engine(draft: str) -> tuple[Engine, KVCache, tuple[int, int], list[StreamOutput]]:
+    """An engine (chunks of 5) holding a 30-token prompt after its first chunk; the pool's free (pages, slots)
+    before it was added; the outputs it hands out."""
+    model = load(draft, 5)
     kv = model.runner.kv_cache
     baseline = (kv.num_free_pages, kv.num_free_slots)
     engine = Engine(model.runner)
@@ -178,6 +181,11 @@ def test_abort_mid_prefill_frees_everything():
     engine.on_output = outputs.append
     engine.add(0, list(range(1, 31)), SamplingParams(max_new_tokens=8), "long")
     engine.step()
+    return engine, kv, baseline, outputs
+
+
+def test_abort_mid_prefill_frees_everything():
+    engine, kv, baseline, outputs = _long_prompt_engine("vanilla3")
     engine.step()
     request = engine.running[0]
     assert request.is_context and request.num_cached == 10 and kv.num_free_pages < baseline[0]
@@ -188,14 +196,7 @@ def test_abort_mid_prefill_frees_everything():
 
 
 def test_a_failing_chunk_frees_everything(monkeypatch):
-    model = load("eagle3", 5)
-    kv = model.runner.kv_cache
-    baseline = (kv.num_free_pages, kv.num_free_slots)
-    engine = Engine(model.runner)
-    outputs: list[StreamOutput] = []
-    engine.on_output = outputs.append
-    engine.add(0, list(range(1, 31)), SamplingParams(max_new_tokens=8), "long")
-    engine.step()
+    engine, kv, baseline, outputs = _long_prompt_engine("eagle3")
     monkeypatch.setattr(ModelRunner, "step", lambda *args: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         engine.step()

@@ -67,7 +67,7 @@ def _merge_case(query_len: int, window: int) -> None:
     """The merge kernel against its reference on random partials: splits a run does not use hold garbage, and
     rows that saw no key in a split carry (-inf, 0)."""
     g = torch.Generator().manual_seed(query_len + window)
-    num_splits, num_tokens, hq, hkv, d, block = 4, 5 * query_len, 6, 2, 16, 16
+    num_splits, num_tokens, hq, d, block = 4, 5 * query_len, 6, 16, 16
     positions = torch.randint(0, 90, (num_tokens // query_len,), generator=g).repeat_interleave(query_len)
     positions += torch.arange(query_len).repeat(num_tokens // query_len)
     positions[:query_len] -= positions[0] - 2  # a run of one chunk: finished by its first split

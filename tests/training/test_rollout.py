@@ -53,12 +53,12 @@ def test_rollouts_file_is_written_once_and_reused(tmp_path):
     path = tmp_path / "rollouts.pt"
     settings = dict(steps=1, rollout_sequences=4, rollout_prompt_tokens=8, rollouts_file=str(path))
     train_draft(train_config("mtp", "run-rollouts-file", **settings))
-    stored = torch.load(path)
+    stored = torch.load(path, weights_only=True)
     assert stored["rollouts"].shape == (4, 48) and stored["seed"] == 0
     torch.save({**stored, "rollouts": stored["rollouts"].flip(0)}, path)  # a rerun that regenerated would undo it
     again = train_draft(train_config("mtp", "run-rollouts-file", **settings))
     assert again.summary["rollout_tokens"] == 4 * 48
-    assert torch.equal(torch.load(path)["rollouts"], stored["rollouts"].flip(0))
+    assert torch.equal(torch.load(path, weights_only=True)["rollouts"], stored["rollouts"].flip(0))
     torch.save({k: v for k, v in stored.items() if k != "temperatures"}, path)  # written before the setting
     assert train_draft(train_config("mtp", "run-rollouts-file", **settings)).summary["rollout_tokens"] == 4 * 48
     for other in ({"rollout_sequences": 6}, {"seed": 1}, {"rollout_prompt_tokens": 6},
@@ -71,7 +71,7 @@ def test_rollout_temperatures_set_the_share_of_greedy_rows(tmp_path):
     path = tmp_path / "rollouts.pt"
     train_draft(train_config("mtp", "run-rollout-temperatures", steps=1, rollout_sequences=6, rollout_prompt_tokens=8,
                              rollout_temperatures=(0.0, 1.0, 1.0), rollouts_file=str(path)))
-    rows = torch.load(path)["rollouts"]
+    rows = torch.load(path, weights_only=True)["rollouts"]
     # the first 8 new tokens (batched and one-row argmaxes of the random tiny target part at near-ties later on)
     greedy = [row.tolist()[8:16] == hf_greedy(tiny_target(), row.tolist()[:8], 8) for row in rows]
     assert greedy == [True, True, False, False, False, False]  # a third greedy (the default: half)
