@@ -21,7 +21,8 @@ def test_two_model_modes_refused_naming_supported(name):
 
 
 # Transcribed by hand, member by member, from TensorRT-LLM tensorrt_llm/_torch/speculative/interface.py at
-# commit b35ac1b64368513d215c57d2ed01d62d910df8da (its members are exactly ours, in this order).
+# commit b35ac1b64368513d215c57d2ed01d62d910df8da (its members are exactly ours, in this order), but for
+# support_overlap_scheduler of MTP_EAGLE, True as in later revisions (the has_draft_model() branch).
 MEMBERS = ("MTP", "MTP_EAGLE", "MTP_EAGLE_ONE_MODEL", "EAGLE3", "EAGLE3_ONE_MODEL", "NGRAM", "DRAFT_TARGET",
            "USER_PROVIDED", "SAVE_HIDDEN_STATES", "NONE", "AUTO")
 TRUTH = {
@@ -40,7 +41,7 @@ TRUTH = {
     "use_one_engine":                    "1   0     1      0  1    0     0  0    0    0    0",
     "without_logits":                    "1   0     1      0  1    0     0  0    0    0    0",
     "needs_kv_cache_rewind":             "1   0     1      0  1    1     0  0    0    0    0",
-    "support_overlap_scheduler":         "1   0     1      1  1    0     1  0    0    0    0",
+    "support_overlap_scheduler":         "1   1     1      1  1    0     1  0    0    0    0",  # later revisions
     "support_guided_decoder":            "0   1     0      1  0    1     1  1    1    1    0",
     "support_capturable_guided_decoder": "1   0     1      0  1    0     0  0    0    0    0",
     "has_draft_model":                   "0   1     0      1  0    0     1  0    0    0    0",

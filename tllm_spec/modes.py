@@ -2,9 +2,9 @@
 
 The predicates reproduce ``SpeculativeDecodingMode`` of TensorRT-LLM's
 ``tensorrt_llm/_torch/speculative/interface.py`` at commit b35ac1b64368 (the revision whose members are exactly
-these eleven) with identical truth tables. Later TensorRT-LLM revisions add members (SA, PARD, DFLASH, DSPARK,
-DRAFT_TARGET_ONE_MODEL) and, over these eleven, differ in ``support_overlap_scheduler`` (MTP_EAGLE becomes True),
-``has_spec_drafter`` (SAVE_HIDDEN_STATES becomes False) and the arguments of ``extend_ctx`` /
+these eleven) with identical truth tables but one: ``support_overlap_scheduler`` is True for MTP_EAGLE, as in
+later revisions. Those add members (SA, PARD, DFLASH, DSPARK, DRAFT_TARGET_ONE_MODEL) and, over these eleven,
+also differ in ``has_spec_drafter`` (SAVE_HIDDEN_STATES becomes False) and the arguments of ``extend_ctx`` /
 ``attention_need_spec_dec_mode``. tllm_spec's own predicates carry names TensorRT-LLM does not use
 (:meth:`supported`, :meth:`check_supported`).
 """
@@ -105,8 +105,8 @@ class SpeculativeDecodingMode(IntEnum):
         return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_ngram()
 
     def support_overlap_scheduler(self) -> bool:
-        if self.is_mtp_eagle():  # TensorRT-LLM: "TODO: fix accuracy issue"
-            return False
+        """As later TensorRT-LLM revisions have it: every mode with a draft model, MTP_EAGLE included (the
+        pinned revision excluded MTP_EAGLE under a "TODO: fix accuracy issue")."""
         return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.has_draft_model()
 
     def support_guided_decoder(self) -> bool:
