@@ -13,6 +13,7 @@ from .config import Eagle3Config, EngineConfig, MTPConfig, RunConfig, SamplingPa
 from .drafts.base import SpecWorkerBase
 from .engine import streams
 from .engine.async_engine import AsyncEngine
+from .engine.cuda_graphs import variant_example
 from .engine.engine import Engine
 from .engine.loader import engine_config_with, load_runner, runner_for_target
 from .engine.loop import EngineLoop
@@ -20,6 +21,9 @@ from .engine.request import GenerationOutputs
 from .engine.runner import ModelRunner
 from .model.target import TargetModel
 from .modes import SpeculativeDecodingMode
+from .sampling.logprobs import logprobs_width
+
+WARMUP_VARIANTS = ((True, False, 0), (False, False, 0), (False, True, 0))  # greedy, sampled, sampled with seeds
 
 
 class SpecModel:
@@ -75,6 +79,18 @@ class SpecModel:
     def abort(self, request_id: str) -> None:
         """End a streaming request early (its pages are freed at the next step boundary)."""
         self.loop.abort(request_id)
+
+    def warmup(self, logprobs: Sequence[int] = ()) -> int:
+        """Compile and capture now, not on a request's path: every batch bucket's CUDA graph for greedy, sampled
+        and seeded sampled requests (FlashInfer's sampling build comes with the first sampled capture), and for
+        each number of ``logprobs`` given. Returns the graphs held (0 without CUDA graphs)."""
+        widths = [logprobs_width([n]) for n in logprobs]
+        examples = [variant_example(v) for v in WARMUP_VARIANTS] + [variant_example((True, False, w)) for w in widths]
+        return self.loop.call(lambda: self._capture(examples))
+
+    def _capture(self, examples: list[SamplingParams]) -> int:
+        self.runner.prepare_graphs(examples)
+        return len(self.runner.graph_runner.graphs) if self.runner.graph_runner is not None else 0
 
     @property
     def engine(self) -> Engine:

@@ -277,3 +277,15 @@ def test_run_ahead_equals_one_step_at_a_time(spec, monkeypatch):
     assert [o.token_ids for o in ahead] == [o.token_ids for o in in_step]
     assert [o.stats for o in ahead] == [o.stats for o in in_step]
     assert ahead[1].finish_reason == "stop"
+
+
+def test_warmup_leaves_no_capture_for_greedy_sampled_or_seeded_requests():
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), dtype=torch.float32, device="cuda", max_batch_size=4)
+    held = model.warmup()
+    assert held >= 3 * len(model.runner.graph_runner.buckets)
+    kinds = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8),
+             SamplingParams(max_new_tokens=12, temperature=1.0, top_k=5, seed=3)]
+    for size in range(1, 5):
+        model.generate([[3, 5, 7 + i] for i in range(size)], [kinds[i % 3] for i in range(size)])
+    assert len(model.runner.graph_runner.graphs) == held

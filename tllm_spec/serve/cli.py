@@ -103,6 +103,7 @@ class _Uvicorn(uvicorn.Server):
 def serve(args: argparse.Namespace) -> int:
     try:
         model = load_model(args)
+        model.warmup()  # compiles and captures before the first request, not during it
         name = args.served_model_name or (DEMO_MODEL_NAME if args.target in (None, DEMO_TARGET) else args.target)
         app = build_app(model, name, args.api_key, args.max_queue)
     except (ValueError, OSError, NotImplementedError) as err:  # pydantic's ValidationError is a ValueError
