@@ -1,4 +1,8 @@
 """tllm_spec: TensorRT-LLM-style one-model speculative decoding (EAGLE-3, MTP) for Hugging Face causal LMs."""
+from .caches import configure_caches
+
+configure_caches()  # TLLM_SPEC_CACHE_DIR: before anything compiles
+
 from .config import (
                      Eagle3Config,
                      EngineConfig,
