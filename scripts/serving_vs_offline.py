@@ -22,10 +22,12 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--delay-factors", type=float, nargs="+", help="scheduler_delay_factor values to serve with, "
+                   "each in turn (default: the engine's)")
     p.add_argument("--out", default="runs/serving_vs_offline")
     args = p.parse_args()
     run(args.shape, args.forced, args.concurrency, args.num_prompts, args.input_len, args.output_len, Path(args.out),
-        args.device)
+        args.device, args.delay_factors)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,12 @@ class EngineConfig(_Frozen):
     max_num_batched_tokens: int = Field(8192, ge=1, description="prompt tokens a step prefills (chunked "
                                         "prefill): longer prompts enter over several steps, FIFO, while running "
                                         "requests keep decoding in the same steps; bounds prefill memory")
+    scheduler_delay_factor: float = Field(0.5, ge=0.0, le=100.0, description="while requests are decoding, "
+                                          "a waiting request joins once the oldest waiting one has waited this "
+                                          "many times the last prefill step's duration, or as soon as the "
+                                          "waiting requests fill the free slots: arrivals close together share "
+                                          "one prefill step (a step with prompt tokens runs without a CUDA "
+                                          "graph, so each one costs the running streams); 0: admit at once")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
     use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral), "
                                    "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "

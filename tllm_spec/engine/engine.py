@@ -37,6 +37,9 @@ class Engine:
         self.k = runner.max_draft_len
         self.max_seq_len = runner.max_seq_len
         self.max_num_batched_tokens = runner.engine_config.max_num_batched_tokens  # prompt tokens per step
+        self.delay_factor = runner.engine_config.scheduler_delay_factor
+        self.clock: Callable[[], float] = time.perf_counter
+        self.prefill_seconds = 0.0  # the last step with prompt chunks, launch to outputs read
         self.guided_error: str | None = None  # why guided decoding is unavailable (its requests are rejected)
         self.timer = DecodeTimer()  # every decode step since the engine was made
         self.waiting: deque[Request] = deque()
@@ -194,11 +197,22 @@ class Engine:
         detokenizer = Detokenizer(self.decode, p.stop) if self.tokenizer is not None else None
         return Request(index, [int(t) for t in prompt], p, frozenset(stop_ids),
                        min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k),
-                       request_id, matcher=matcher, detokenizer=detokenizer)
+                       request_id, matcher=matcher, detokenizer=detokenizer, arrival=self.clock())
+
+    def admission_due(self) -> bool:
+        """Whether waiting requests may join now: always when nothing is decoding or the waiting requests fill
+        every free slot; otherwise once the oldest has waited ``scheduler_delay_factor`` times the last prefill
+        step (so that requests arriving close together share one prefill step instead of each costing the
+        running streams a step without a CUDA graph)."""
+        if not self.running or len(self.waiting) >= self.runner.max_batch_size - len(self.running):
+            return True
+        return self.clock() - self.waiting[0].arrival >= self.delay_factor * self.prefill_seconds
 
     def _admit(self) -> list[Request]:
-        """Move waiting requests in (FIFO) while batch slots and KV pages last."""
+        """Move waiting requests in (FIFO) while batch slots and KV pages last, once :meth:`admission_due`."""
         admitted: list[Request] = []
+        if not self.waiting or not self.admission_due():
+            return admitted
         while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size:
             r = self.waiting[0]
             needed = self._reserved_tokens(len(r.prompt), r.params)
@@ -298,6 +312,8 @@ class Engine:
             wanted = r.params.logprobs
             r.accept(row[:n], logprobs.of(b, n, wanted) if wanted is not None else None)
         done = time.perf_counter()
+        if step.has_context:
+            self.prefill_seconds = done - step.start
         if not step.has_context and any(live):  # a chained step's time runs from the previous step's end
             began = self._last_done if step.chained else step.start
             self.timer.record(done - began, step.host_seconds + (done - waited), sum(live))

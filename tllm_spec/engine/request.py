@@ -98,6 +98,20 @@ class StreamOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
 
+    @classmethod
+    def merged(cls, outs: list[StreamOutput]) -> StreamOutput:
+        """Consecutive outputs of one request as one (a consumer that fell behind takes what queued up at once):
+        tokens, text and logprobs joined; finished, output and exception of the last."""
+        if len(outs) == 1:
+            return outs[0]
+        last = outs[-1]
+        texts = [o.text for o in outs if o.text is not None]
+        with_logprobs = [o for o in outs if o.logprobs is not None]
+        return cls(last.request_id, [t for o in outs for t in o.token_ids], "".join(texts) if texts else None,
+                   last.finished, last.output, last.exception,
+                   [x for o in with_logprobs for x in o.logprobs] if with_logprobs else None,
+                   [x for o in with_logprobs for x in o.top_logprobs] if with_logprobs else None)
+
     @property
     def finish_reason(self) -> str | None:
         return self.output.finish_reason if self.output is not None else None
@@ -126,6 +140,7 @@ class Request:
     num_emitted: int = 0  # output tokens already handed out as StreamOutputs
     logprobs: list[float] | None = None  # per output token (SamplingParams.logprobs set): its logprob
     top_logprobs: list[dict[int, float]] | None = None  # per output token: the top N {token id: logprob}
+    arrival: float = 0.0  # when the engine queued it (Engine.clock)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

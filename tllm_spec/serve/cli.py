@@ -58,6 +58,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens (default: the target's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="prompt tokens prefilled per step; longer prompts "
                    "go in chunks between decode steps (default: the engine's, 8192)")
+    p.add_argument("--scheduler-delay-factor", type=float, help="while requests decode, a new one waits up to this "
+                   "many prefill steps' time so that arrivals close together share one prefill step (default: the "
+                   "engine's, 0.5; 0: admit at once)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests in flight before 429")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
@@ -80,7 +83,8 @@ def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
 
 def load_model(args: argparse.Namespace) -> SpecModel:
     flags = (("max_batch_size", args.max_batch_size), ("max_seq_len", args.max_seq_len),
-             ("max_num_batched_tokens", args.max_num_batched_tokens))
+             ("max_num_batched_tokens", args.max_num_batched_tokens),
+             ("scheduler_delay_factor", args.scheduler_delay_factor))
     engine_kwargs = {name: value for name, value in flags if value is not None}
     return SpecModel.from_pretrained(args.target or DEMO_TARGET, spec_config_of(args), dtype=args.dtype,
                                      device=args.device, **engine_kwargs)

@@ -75,9 +75,9 @@ def serve_in_thread(model: SpecModel, name: str) -> tuple[uvicorn.Server, str]:
 
 
 def bench_serve(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
-                out_dir: Path) -> dict:
+                out_dir: Path, name: str | None = None) -> dict:
     """``tllm-spec bench-serve`` in a child process; its JSON report."""
-    out = out_dir / f"concurrency-{concurrency}"
+    out = out_dir / (name or f"concurrency-{concurrency}")
     cmd = [sys.executable, "-m", "tllm_spec.serve.cli", "bench-serve", "--base-url", url, "--concurrency",
            str(concurrency), "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
            "--output-len", str(output_len), "--vocab-size", str(vocab_size), "--out", str(out)]
@@ -86,9 +86,10 @@ def bench_serve(url: str, concurrency: int, num_prompts: int, input_len: int, ou
 
 
 def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
-        out_dir: Path, device: str = "cuda") -> dict:
+        out_dir: Path, device: str = "cuda", delay_factors: list[float] | None = None) -> dict:
     """Offline, then the server, per concurrency (the offline batch: the first ``concurrency`` prompts, the batch
-    the server keeps running); results in ``out_dir/serving_vs_offline.json`` (written after each point)."""
+    the server keeps running) and per ``scheduler_delay_factor`` (default: the engine's); results in
+    ``out_dir/serving_vs_offline.json`` (written after each point)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = AutoConfig.for_model("llama", **SHAPES[shape]).vocab_size  # as random_spec_model builds it
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -99,17 +100,22 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     result: dict = {"shape": shape, "forced": forced, "device": gpu, "input_len": input_len, "output_len": output_len,
                     "points": []}
     server, url = serve_in_thread(model, shape)
+    factors = delay_factors or [model.engine.delay_factor]
     for c in concurrencies:
         prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
         ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
-        report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir)
-        summary = report["summary"]
-        result["points"].append({"concurrency": c, "offline": ref, "server": summary,
-                                 "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"]
-                                 / ref["step_ms_per_token"],
-                                 "server_over_offline_throughput": summary["output_throughput"]
-                                 / ref["tokens_per_second"]})
-        print(json.dumps({k: v for k, v in result["points"][-1].items() if k != "server"}), flush=True)
-        (out_dir / "serving_vs_offline.json").write_text(json.dumps(result, indent=1))
+        for factor in factors:
+            model.loop.call(lambda f=factor: setattr(model.engine, "delay_factor", f))
+            report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir,
+                                 f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}")
+            summary = report["summary"]
+            result["points"].append({"concurrency": c, "scheduler_delay_factor": factor, "offline": ref,
+                                     "server": summary,
+                                     "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"]
+                                     / ref["step_ms_per_token"],
+                                     "server_over_offline_throughput": summary["output_throughput"]
+                                     / ref["tokens_per_second"]})
+            print(json.dumps({k: v for k, v in result["points"][-1].items() if k != "server"}), flush=True)
+            (out_dir / "serving_vs_offline.json").write_text(json.dumps(result, indent=1))
     server.should_exit = True
     return result
