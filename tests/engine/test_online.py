@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel
+from tllm_spec.engine.request import StreamOutput
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in ", "# 日本語 — é\n"]
 
@@ -182,6 +183,37 @@ def test_async_engine_streams_and_aborts_on_cancel(demo):
     assert asyncio.run(main()) == expected.text
     wait_until_idle(demo)
     assert free_state(demo) == baseline
+
+
+def test_a_slow_async_consumer_gets_what_queued_up_as_one_output(demo):
+    """A consumer that falls behind (the server's event loop at high concurrency) takes the outputs queued for it
+    as one: fewer, larger outputs with the same tokens, text and logprobs, and one finished output last."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=1)
+    expected = demo.generate([PROMPTS[2]], params)[0]
+
+    async def main() -> list:
+        outs = []
+        async for out in demo.async_engine.generate(PROMPTS[2], params):
+            outs.append(out)
+            time.sleep(0.05)  # block the event loop: several steps' outputs queue up meanwhile
+        return outs
+    outs = asyncio.run(main())
+    assert [t for o in outs for t in o.token_ids] == expected.token_ids
+    assert "".join(o.text for o in outs) == expected.text
+    assert [x for o in outs for x in o.logprobs] == expected.logprobs
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert max(len(o.token_ids) for o in outs) > demo.max_draft_len + 1  # several steps' tokens in one
+
+
+def test_stream_outputs_merge_in_order():
+    first = StreamOutput("r", [1, 2], "ab", logprobs=[-0.1, -0.2], top_logprobs=[{1: -0.1}, {2: -0.2}])
+    second = StreamOutput("r", [3], "", logprobs=[-0.3], top_logprobs=[{3: -0.3}])
+    last = StreamOutput("r", [4], "d", finished=True, logprobs=[-0.4], top_logprobs=[{4: -0.4}])
+    merged = StreamOutput.merged([first, second, last])
+    assert (merged.token_ids, merged.text, merged.finished) == ([1, 2, 3, 4], "abd", True)
+    assert merged.logprobs == [-0.1, -0.2, -0.3, -0.4] and merged.top_logprobs[3] == {4: -0.4}
+    assert StreamOutput.merged([first]) is first
+    assert StreamOutput.merged([StreamOutput("r", [1], None), StreamOutput("r", [2], None)]).text is None
 
 
 def test_mtp_default_on_the_demo_drafts_like_eagle3():

@@ -1,9 +1,14 @@
 """AsyncEngine: the engine loop from asyncio — ``async for out in engine.generate(prompt, params, request_id)``.
 The event loop only exchanges messages with the engine thread; a consumer that stops early (a client that
-disconnects, a cancelled task) aborts its request, whose pages are freed at the next step boundary."""
+disconnects, a cancelled task) aborts its request, whose pages are freed at the next step boundary.
+
+At high concurrency the event loop's Python (one server-sent event per request per step) shares the interpreter
+with the engine thread, so the hand-over is batched: a step's outputs for one event loop wake it once, and a
+consumer that fell behind takes every output queued for it as one (fewer, larger chunks; the same tokens)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -29,6 +34,15 @@ class AsyncEngine:
 
     def __init__(self, loop: EngineLoop):
         self.loop = loop
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+        self._lock = threading.Lock()
+
+    def _mailbox(self, event_loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        with self._lock:
+            if event_loop not in self._mailboxes:
+                self._mailboxes = {lp: box for lp, box in self._mailboxes.items() if not lp.is_closed()}
+                self._mailboxes[event_loop] = _Mailbox(event_loop)
+            return self._mailboxes[event_loop]
 
     @property
     def tokenizer(self):
@@ -51,14 +65,16 @@ class AsyncEngine:
         if error:
             raise ValueError(error)
         outputs: asyncio.Queue[StreamOutput] = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         request_id = self.loop.submit(ids, as_params(params if params is not None else SamplingParams()),
-                                      lambda out: event_loop.call_soon_threadsafe(outputs.put_nowait, out),
-                                      request_id)
+                                      lambda out: mailbox.put(outputs, out), request_id)
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
+                queued = [await outputs.get()]
+                while not outputs.empty():
+                    queued.append(outputs.get_nowait())
+                out = StreamOutput.merged(queued)
                 finished = out.finished
                 if out.exception is not None:
                     raise out.exception
@@ -74,3 +90,34 @@ class AsyncEngine:
         engine = self.loop.engine
         return EngineState(len(engine.running), len(engine.waiting), engine.kv.num_free_pages,
                            engine.runner.num_kv_pages, engine.runner.max_batch_size)
+
+
+class _Mailbox:
+    """Outputs from the engine thread to one event loop: the first output since the last hand-over schedules one
+    callback that moves everything gathered meanwhile into the consumers' queues (one wake-up per step, not one
+    per request)."""
+
+    def __init__(self, event_loop: asyncio.AbstractEventLoop):
+        self.event_loop = event_loop
+        self._items: list[tuple[asyncio.Queue, StreamOutput]] = []
+        self._lock = threading.Lock()
+
+    def put(self, queue: asyncio.Queue, out: StreamOutput) -> None:
+        """Engine thread."""
+        with self._lock:
+            self._items.append((queue, out))
+            if len(self._items) > 1:
+                return  # a hand-over is already scheduled
+        try:
+            self.event_loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the loop is closed: nobody will read these outputs
+            with self._lock:
+                self._items.clear()
+            raise
+
+    def _hand_over(self) -> None:
+        """Event loop."""
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, out in items:
+            queue.put_nowait(out)
