@@ -197,6 +197,9 @@ class MTPConfig(_Frozen):
 SpecConfig = Annotated[Eagle3Config | MTPConfig, Field(discriminator="decoding_type")]
 
 
+ADMISSION_WINDOW_CAP = 8  # an idle engine waits at most this many admission windows for a burst to end
+
+
 class EngineConfig(_Frozen):
     """Capacity of the decoding engine."""
 
@@ -215,6 +218,10 @@ class EngineConfig(_Frozen):
                                           "waiting requests fill the free slots: arrivals close together share "
                                           "one prefill step (a step with prompt tokens runs without a CUDA "
                                           "graph, so each one costs the running streams); 0: admit at once")
+    admission_window_ms: float = Field(3.0, ge=0.0, le=1000.0, description="when nothing is decoding, waiting "
+                                       "requests start once none has arrived for this long (and at most "
+                                       f"{ADMISSION_WINDOW_CAP}x this after the first): a burst of arrivals shares "
+                                       "one prefill step; 0: start at once")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
     use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral), "
                                    "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "

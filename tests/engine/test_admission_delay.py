@@ -1,7 +1,11 @@
-"""EngineConfig.scheduler_delay_factor: while requests decode, a new one waits (at most the factor times the last
-prefill step) so that arrivals close together share one prefill step; it joins at once when nothing decodes or
-when the waiting requests fill the free slots; its tokens do not depend on when it joined."""
+"""When waiting requests start, so that arrivals close together share one prefill step: while nothing decodes,
+once none has arrived for EngineConfig.admission_window_ms (at most ADMISSION_WINDOW_CAP windows); while requests
+decode, once the oldest has waited scheduler_delay_factor times the last prefill step; at once when they fill the
+free slots. A request's tokens do not depend on when it joined, and the engine's thread sleeps, not spins, while
+it waits."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -23,17 +27,20 @@ class FakeClock:
         return self.now
 
 
-def load(factor: float) -> SpecModel:
+WINDOW = 0.003  # the fixture's admission window, seconds
+
+
+def load(factor: float, window_ms: float = 0.0) -> SpecModel:
     target, head = tiny_pair("llama")
     return SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=3),
-                                     max_batch_size=4, scheduler_delay_factor=factor)
+                                     max_batch_size=4, scheduler_delay_factor=factor, admission_window_ms=window_ms)
 
 
 @pytest.fixture
 def engine_with_clock():
     """(model, engine, clock, outputs): the engine driven on this thread (its loop thread never starts), one step
     per ``step()``, the last prefill step taken to last 1 s of the fake clock."""
-    model = load(2.0)
+    model = load(2.0, WINDOW * 1e3)
     engine = model.engine
     clock = FakeClock()
     outputs: dict[str, list[int]] = {}
@@ -49,11 +56,69 @@ def running_ids(engine) -> set[str]:
     return {r.request_id for r in engine.running}
 
 
+def start_alone(engine, clock) -> None:
+    engine.add(0, [5, 6, 7, 8], LONG, "long")
+    clock.now += WINDOW
+    engine.step()
+    assert running_ids(engine) == {"long"}
+
+
+def test_an_idle_engine_starts_a_burst_together_once_it_is_over(engine_with_clock):
+    model, engine, clock, outputs = engine_with_clock
+    engine.add(0, [5, 6, 7], SHORT, "a")
+    assert engine.idle_wait() == pytest.approx(WINDOW)
+    engine.step()
+    assert not engine.running
+    clock.now += 0.002
+    engine.add(1, [8, 9], SHORT, "b")  # the burst goes on: the window restarts from the newest arrival
+    clock.now += 0.002
+    assert engine.idle_wait() == pytest.approx(0.001)
+    engine.step()
+    assert not engine.running
+    clock.now += 0.001
+    assert engine.idle_wait() == 0.0
+    engine.step()
+    assert running_ids(engine) == {"a", "b"}
+
+
+def test_an_endless_burst_starts_after_the_cap(engine_with_clock, monkeypatch):
+    monkeypatch.setattr("tllm_spec.engine.engine.ADMISSION_WINDOW_CAP", 2)
+    model, engine, clock, outputs = engine_with_clock
+    engine.add(0, [5], SHORT, "a")
+    for i in range(1, 3):  # arrivals every 2/3 window: never quiet for a whole one
+        clock.now += WINDOW * 2 / 3
+        engine.add(i, [5 + i], SHORT, f"r{i}")
+    assert engine.idle_wait() == pytest.approx(WINDOW * 2 / 3)  # the cap (2 windows after "a"), not quiet
+    clock.now += WINDOW * 2 / 3 - 1e-6
+    assert engine.idle_wait() > 0.0
+    clock.now += 2e-6
+    assert engine.idle_wait() == 0.0 and engine.admission_due()
+
+
+def test_a_full_batch_of_arrivals_starts_at_once(engine_with_clock):
+    model, engine, clock, outputs = engine_with_clock
+    for i in range(4):  # max_batch_size
+        engine.add(i, [5 + i], SHORT, f"r{i}")
+    assert engine.idle_wait() == 0.0
+    engine.step()
+    assert len(engine.running) == 4
+
+
+def test_the_engine_thread_sleeps_through_the_window():
+    """Through the real loop: a lone request starts one window after it arrived, and its tokens are unchanged."""
+    model = load(0.0, window_ms=300.0)
+    expected = load(0.0).generate([[9, 10, 11]], SHORT)[0]
+    stream = model.generate_stream([9, 10, 11], SHORT)
+    start = time.perf_counter()
+    first = next(iter(stream))
+    waited = time.perf_counter() - start
+    assert 0.25 <= waited and first.token_ids
+    assert first.token_ids + [t for o in stream for t in o.token_ids] == expected.token_ids
+
+
 def test_a_request_waits_while_others_decode_then_joins(engine_with_clock):
     model, engine, clock, outputs = engine_with_clock
-    engine.add(0, [5, 6, 7, 8], LONG, "long")
-    engine.step()  # nothing decoded: admitted at once
-    assert running_ids(engine) == {"long"}
+    start_alone(engine, clock)
     engine.prefill_seconds = 1.0
     engine.add(1, [9, 10, 11], SHORT, "late")
     for _ in range(3):
@@ -73,8 +138,7 @@ def test_a_request_waits_while_others_decode_then_joins(engine_with_clock):
 
 def test_waiting_requests_that_fill_the_free_slots_join_at_once(engine_with_clock):
     model, engine, clock, outputs = engine_with_clock
-    engine.add(0, [5, 6, 7, 8], LONG, "long")
-    engine.step()
+    start_alone(engine, clock)
     engine.prefill_seconds = 1.0
     engine.add(1, [9, 10, 11], SHORT, "a")
     engine.add(2, [12, 13], SHORT, "b")
@@ -86,7 +150,7 @@ def test_waiting_requests_that_fill_the_free_slots_join_at_once(engine_with_cloc
 
 
 def test_factor_zero_admits_at_once():
-    model = load(0.0)
+    model = load(0.0, window_ms=0.0)
     engine = model.engine
     engine.on_output, engine.should_yield = (lambda out: None), (lambda: True)
     with torch.inference_mode():
@@ -102,11 +166,13 @@ def test_the_prefill_step_time_is_measured(engine_with_clock):
     model, engine, clock, outputs = engine_with_clock
     assert engine.prefill_seconds == 0.0
     engine.add(0, [5, 6, 7, 8], SHORT, "a")
+    clock.now += WINDOW
     engine.step()
     assert engine.prefill_seconds > 0.0
 
 
-@pytest.mark.parametrize("factor", [-0.1, float("nan"), 1000.0])
-def test_bad_factor_is_refused(factor):
-    with pytest.raises(ValidationError, match="scheduler_delay_factor"):
-        EngineConfig(scheduler_delay_factor=factor)
+@pytest.mark.parametrize("field", ["scheduler_delay_factor", "admission_window_ms"])
+@pytest.mark.parametrize("value", [-0.1, float("nan"), 1e4])
+def test_bad_values_are_refused(field, value):
+    with pytest.raises(ValidationError, match=field):
+        EngineConfig(**{field: value})

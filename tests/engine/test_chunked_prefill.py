@@ -51,12 +51,14 @@ def mtp_target() -> Path:
 
 
 def load(mode: str, budget: int, max_batch_size: int = 3) -> SpecModel:
+    """Admission at once (no window, no delay): the tests drive the engine step by step."""
+    engine = dict(max_batch_size=max_batch_size, max_num_batched_tokens=budget, admission_window_ms=0.0,
+                  scheduler_delay_factor=0.0)
     if mode in MTP_MODES:
-        return SpecModel.from_pretrained(mtp_target(), MTP_MODES[mode], max_batch_size=max_batch_size,
-                                         max_num_batched_tokens=budget)
+        return SpecModel.from_pretrained(mtp_target(), MTP_MODES[mode], **engine)
     target, head = tiny_pair("llama")
     spec = Eagle3Config(speculative_model=str(head), max_draft_len=3, use_rejection_sampling=mode == "rejection")
-    return SpecModel.from_pretrained(target, spec, max_batch_size=max_batch_size, max_num_batched_tokens=budget)
+    return SpecModel.from_pretrained(target, spec, **engine)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import SamplingParams
+from ..config import ADMISSION_WINDOW_CAP, SamplingParams
 from ..sampling.logprobs import StepLogprobs
 from .detokenizer import Detokenizer
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
@@ -38,6 +38,7 @@ class Engine:
         self.max_seq_len = runner.max_seq_len
         self.max_num_batched_tokens = runner.engine_config.max_num_batched_tokens  # prompt tokens per step
         self.delay_factor = runner.engine_config.scheduler_delay_factor
+        self.admission_window = runner.engine_config.admission_window_ms / 1e3
         self.clock: Callable[[], float] = time.perf_counter
         self.prefill_seconds = 0.0  # the last step with prompt chunks, launch to outputs read
         self.guided_error: str | None = None  # why guided decoding is unavailable (its requests are rejected)
@@ -200,13 +201,26 @@ class Engine:
                        request_id, matcher=matcher, detokenizer=detokenizer, arrival=self.clock())
 
     def admission_due(self) -> bool:
-        """Whether waiting requests may join now: always when nothing is decoding or the waiting requests fill
-        every free slot; otherwise once the oldest has waited ``scheduler_delay_factor`` times the last prefill
-        step (so that requests arriving close together share one prefill step instead of each costing the
-        running streams a step without a CUDA graph)."""
-        if not self.running or len(self.waiting) >= self.runner.max_batch_size - len(self.running):
+        """Whether waiting requests may join now (so that requests arriving close together share one prefill
+        step, which runs without a CUDA graph): at once when they fill every free slot; while nothing decodes, once
+        none has arrived for ``admission_window_ms`` (:meth:`idle_wait`); while requests decode, once the oldest
+        has waited ``scheduler_delay_factor`` times the last prefill step (each prefill step costs the running
+        streams a step)."""
+        if len(self.waiting) >= self.runner.max_batch_size - len(self.running):
             return True
+        if not self.running:
+            return self.idle_wait() == 0.0
         return self.clock() - self.waiting[0].arrival >= self.delay_factor * self.prefill_seconds
+
+    def idle_wait(self) -> float:
+        """Seconds the engine's thread may sleep before waiting requests start, while nothing decodes: until none
+        has arrived for the admission window, at most ADMISSION_WINDOW_CAP windows after the first (0: now)."""
+        if self.running or not self.waiting or len(self.waiting) >= self.runner.max_batch_size:
+            return 0.0
+        now = self.clock()
+        quiet = self.waiting[-1].arrival + self.admission_window - now
+        cap = self.waiting[0].arrival + ADMISSION_WINDOW_CAP * self.admission_window - now
+        return max(0.0, min(quiet, cap))
 
     def _admit(self) -> list[Request]:
         """Move waiting requests in (FIFO) while batch slots and KV pages last, once :meth:`admission_due`."""

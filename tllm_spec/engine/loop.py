@@ -3,6 +3,7 @@
 safe to use from many threads at once."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -106,7 +107,11 @@ class EngineLoop:
                     self._handle(self._inbox.get())
                 while not self._inbox.empty():
                     self._handle(self._inbox.get())
-                if self.engine.num_requests:
+                wait = self.engine.idle_wait()
+                if wait > 0.0:  # a burst of arrivals may not be over: sleep until it is or a message comes
+                    with contextlib.suppress(queue.Empty):
+                        self._handle(self._inbox.get(timeout=wait))
+                elif self.engine.num_requests:
                     self._step()
 
     def _step(self) -> None:

@@ -106,6 +106,7 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
         ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
         for factor in factors:
             model.loop.call(lambda f=factor: setattr(model.engine, "delay_factor", f))
+            bench_serve(url, c, c, input_len, output_len, vocab, out_dir, "warmup")  # first-time costs, not timed
             report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir,
                                  f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}")
             summary = report["summary"]
