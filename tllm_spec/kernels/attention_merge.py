@@ -13,6 +13,9 @@ import torch
 
 from . import dependent_launch
 
+MAX_SPLITS = 64  # a run's keys are split at most this many ways
+SPLITS_PAD = MAX_SPLITS  # the merge's split axis (a power of 2): one compiled merge for every split count
+
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl
@@ -62,10 +65,10 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, positions: torch
     num_splits, num_tokens, num_q_heads, head_dim = part_acc.shape
     assert part_acc.is_contiguous() and part_ml.is_contiguous() and out.is_contiguous()
     _merge_splits_kernel[(num_tokens, num_q_heads)](
-        part_acc, part_ml, positions, out, num_tokens, window, NUM_Q_HEADS=num_q_heads, QUERY_LEN=query_len,
-        QUERY_LEN_PAD=triton.next_power_of_2(query_len), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), MIN_CHUNK=min_chunk, PDL=pdl, num_warps=4,
+        part_acc, part_ml, positions, out, num_tokens, window, num_splits, NUM_Q_HEADS=num_q_heads,
+        QUERY_LEN=query_len, QUERY_LEN_PAD=triton.next_power_of_2(query_len), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n, SPLITS_PAD=SPLITS_PAD,
+        MIN_CHUNK=min_chunk, PDL=pdl, num_warps=4,
         **dependent_launch.launch_options(pdl))
 
 
@@ -73,29 +76,27 @@ if triton is not None:
     from .dependent_launch import wait_and_release
 
     @triton.jit
-    def split_chunk(num_keys, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Keys per split: num_keys over NUM_SPLITS, at least MIN_CHUNK, rounded up to whole blocks."""
-        per_split = tl.maximum((num_keys + NUM_SPLITS - 1) // NUM_SPLITS, MIN_CHUNK)
+    def split_chunk(num_keys, num_splits, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys per split: num_keys over num_splits, at least MIN_CHUNK, rounded up to whole blocks."""
+        per_split = tl.maximum((num_keys + num_splits - 1) // num_splits, MIN_CHUNK)
         return (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
     @triton.jit
-    def split_bounds(pos, row_ok, window, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+    def split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
         """(lo, last, chunk, num_used) of a run from its rows' positions pos [ROWS_PAD] (-1 where not row_ok)."""
         last = tl.max(pos, 0)
         lo = last * 0
         if window > 0:
             lowest = tl.min(tl.where(row_ok, pos, last), 0)
             lo = (tl.maximum(lowest - window + 1, 0) // BLOCK_N) * BLOCK_N
-        chunk = split_chunk(last + 1 - lo, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+        chunk = split_chunk(last + 1 - lo, num_splits, MIN_CHUNK, BLOCK_N)
         return lo, last, chunk, (last + 1 - lo + chunk - 1) // chunk
 
-    @triton.jit
-    def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, positions_ptr, out_ptr, num_tokens, window,
+    @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+    def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, positions_ptr, out_ptr, num_tokens, window, num_splits,
                              NUM_Q_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr, QUERY_LEN_PAD: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                             PDL: tl.constexpr):
+                             SPLITS_PAD: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
         if PDL:
             wait_and_release()
         token = tl.program_id(0)
@@ -103,7 +104,7 @@ if triton is not None:
         run = (token // QUERY_LEN) * QUERY_LEN + tl.arange(0, QUERY_LEN_PAD)  # the tokens of this token's run
         run_ok = (tl.arange(0, QUERY_LEN_PAD) < QUERY_LEN) & (run < num_tokens)
         pos = tl.load(positions_ptr + run, mask=run_ok, other=-1).to(tl.int64)
-        lo, last, chunk, num_used = split_bounds(pos, run_ok, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+        lo, last, chunk, num_used = split_bounds(pos, run_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
         if num_used > 1:
             splits = tl.arange(0, SPLITS_PAD)
             split_ok = splits < num_used

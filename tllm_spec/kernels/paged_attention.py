@@ -8,7 +8,9 @@ Split-KV (flash-decoding): where a batch has too few (request run, KV head) prog
 run's keys are split over ``num_splits`` programs. The split count is a host value fixed when a step is built
 (or a CUDA graph captured: from the SM count, the runs, the KV heads and the bound on the context); each run's
 chunk is computed on the device from its own length, so one launch (or graph) serves every context length.
-Each split leaves its partial (acc, max, sum) in an fp32 workspace and :mod:`.attention_merge` combines them by
+The split count is a runtime argument of both kernels (never a compile-time constant), so the steps run
+without a CUDA graph (prefill, mixed steps), whose bound on the context changes from step to step, compile
+nothing new on a request's path. Each split leaves its partial (acc, max, sum) in an fp32 workspace and :mod:`.attention_merge` combines them by
 log-sum-exp; a run whose keys fit one chunk is finished by its first split and skipped by the merge.
 """
 from __future__ import annotations
@@ -17,12 +19,11 @@ import torch
 
 from .. import kernels
 from . import dependent_launch
-from .attention_merge import merge_splits
+from .attention_merge import MAX_SPLITS, merge_splits
 from .kv_write import kv_write_ref
 
 MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this costs more in merging than it saves
 MAX_KEYS_PER_SPLIT = 2048
-MAX_SPLITS = 64
 BLOCK_N = 128
 NUM_STAGES = 3  # key blocks in flight per program (software pipelining of the key loop)
 NUM_WARPS = 4
@@ -123,10 +124,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[(num_runs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, token_slots, positions, out, part_acc, part_ml, scale, num_tokens,
         q.stride(0), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0,
+        new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len, ROWS_PAD=rows_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, MIN_CHUNK=MIN_KEYS_PER_SPLIT, NUM_STAGES=NUM_STAGES,
+        MIN_CHUNK=MIN_KEYS_PER_SPLIT, NUM_STAGES=NUM_STAGES,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=NUM_WARPS,
         **dependent_launch.launch_options(pdl))
@@ -157,14 +158,14 @@ if triton is not None:
     from .attention_merge import split_bounds, split_chunk
     from .dependent_launch import prefetch_l2, wait_and_release
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
                                 part_acc_ptr, part_ml_ptr, scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr,
                                 kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride,
-                                bt_rows, window, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                                bt_rows, window, num_splits, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                 GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, ROWS_PAD: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                                NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
+                                MIN_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
                                 DOT_PRECISION: tl.constexpr,
                                 PDL: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """One program per (run of QUERY_LEN query tokens of one request, KV head, KV split). Its rows are the
@@ -184,13 +185,13 @@ if triton is not None:
             if PREFETCH_BLOCKS > 0:
                 _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
                              kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
-                             HEAD_DIM_PAD, BLOCK_N, NUM_SPLITS, MIN_CHUNK, PREFETCH_BLOCKS, KV_LINE)
+                             HEAD_DIM_PAD, BLOCK_N, num_splits, MIN_CHUNK, PREFETCH_BLOCKS, KV_LINE)
             wait_and_release()
         rows = tl.arange(0, ROWS_PAD)
         token = first + rows // GROUP
         row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)
         pos = tl.load(positions_ptr + token, mask=row_ok, other=-1).to(tl.int64)  # [ROWS_PAD]
-        lo, last, chunk, num_used = split_bounds(pos, row_ok, window, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+        lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
         start = lo + split * chunk
         stop = tl.minimum(start + chunk, last + 1)  # this split's keys: [start, stop)
         if WRITE:
@@ -244,7 +245,7 @@ if triton is not None:
     def _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens, kv_head,
                      split, bt_stride, bt_rows, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                      QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, num_splits, MIN_CHUNK: tl.constexpr,
                      PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """Ask L2 for the K/V rows of head kv_head at the first PREFETCH_BLOCKS * BLOCK_N positions of the
         program's split (its chunk as without a sliding window; only a hint), up to the run's last token's. It
@@ -253,7 +254,7 @@ if triton is not None:
         last = tl.load(positions_ptr + tl.minimum(first + QUERY_LEN - 1, num_tokens - 1))  # a run's positions rise
         slot = tl.minimum(tl.maximum(tl.load(token_slots_ptr + first).to(tl.int64), 0), bt_rows - 1)
         lines = tl.arange(0, (HEAD_DIM_PAD + KV_LINE - 1) // KV_LINE) * KV_LINE
-        chunk = split_chunk(last + 1, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+        chunk = split_chunk(last + 1, num_splits, MIN_CHUNK, BLOCK_N)
         start = split * chunk
         for block in tl.static_range(PREFETCH_BLOCKS):
             kpos = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
