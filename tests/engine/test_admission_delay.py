@@ -81,6 +81,21 @@ def test_an_idle_engine_starts_a_burst_together_once_it_is_over(engine_with_cloc
     assert running_ids(engine) == {"a", "b"}
 
 
+def test_an_announced_request_holds_an_idle_engine(engine_with_clock):
+    """A request a server has begun reading (EngineLoop.announce) keeps the idle engine waiting for it, within the
+    cap; settled, the engine starts once the window is quiet."""
+    model, engine, clock, outputs = engine_with_clock
+    announcement = model.loop.announce()
+    engine.add(0, [5, 6, 7], SHORT, "a")
+    clock.now += WINDOW * 2
+    assert engine.idle_wait() == pytest.approx(WINDOW)  # quiet, but one is on its way
+    announcement.settle()
+    announcement.settle()  # once only
+    assert engine.num_incoming() == 0 and engine.idle_wait() == 0.0
+    engine.step()
+    assert running_ids(engine) == {"a"}
+
+
 def test_an_endless_burst_starts_after_the_cap(engine_with_clock, monkeypatch):
     monkeypatch.setattr("tllm_spec.engine.engine.ADMISSION_WINDOW_CAP", 2)
     model, engine, clock, outputs = engine_with_clock

@@ -81,3 +81,39 @@ def test_the_server_shortens_the_gil_switch_interval(mtp_model, monkeypatch):
     monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)  # Python's default
     build_app(mtp_model, "mtp")
     assert intervals == [GIL_SWITCH_INTERVAL_S] and GIL_SWITCH_INTERVAL_S <= 0.001
+
+
+def test_completion_requests_are_announced_until_submitted_or_refused(mtp_model, monkeypatch):
+    """The engine counts a completion request as on its way from the moment the server reads it until it is
+    submitted (or refused): an idle engine waits for it to start a burst together. Nothing stays counted."""
+    import tllm_spec.engine.async_engine as async_engine
+    seen, checked = [], []
+    engine = mtp_model.engine
+    original = engine.add
+    check_prompt = async_engine.check_prompt
+
+    def check(*args):
+        checked.append(engine.num_incoming())  # while the server checks it: announced
+        return check_prompt(*args)
+    monkeypatch.setattr(async_engine, "check_prompt", check)
+
+    def add(*args, **kwargs):
+        seen.append(engine.num_incoming())  # on the engine's thread, when the request arrives there
+        return original(*args, **kwargs)
+    engine.add = add
+    try:
+        async def send() -> list[int]:
+            transport = httpx.ASGITransport(app=build_app(mtp_model, "mtp"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"model": "mtp", "prompt": "def f(x):", "max_tokens": 6, "temperature": 0}
+                codes = [(await client.post("/v1/completions", json=body)).status_code,
+                         (await client.post("/v1/completions", json={**body, "stream": True})).status_code,
+                         (await client.post("/v1/completions", json={**body, "max_tokens": -1})).status_code,
+                         (await client.post("/v1/completions", json={**body, "model": "other"})).status_code]
+                return codes
+        assert asyncio.run(send()) == [200, 200, 400, 404]
+    finally:
+        engine.add = original
+    assert len(checked) >= 2 and set(checked) == {1} and seen == [0, 0]  # settled by the submit, before the engine
+    # took the request
+    assert engine.num_incoming() == 0

@@ -8,12 +8,14 @@ consumer that fell behind takes every output queued for it as one (fewer, larger
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from ..config import SamplingParams
-from .loop import EngineLoop
+from .loop import Announcement, EngineLoop
 from .request import StreamOutput
 from .streams import as_params, check_prompt
 
@@ -68,6 +70,7 @@ class AsyncEngine:
         mailbox = self._mailbox(asyncio.get_running_loop())
         request_id = self.loop.submit(ids, as_params(params if params is not None else SamplingParams()),
                                       lambda out: mailbox.put(outputs, out), request_id)
+        settle_announcement()
         finished = False
         try:
             while not finished:
@@ -90,6 +93,29 @@ class AsyncEngine:
         engine = self.loop.engine
         return EngineState(len(engine.running), len(engine.waiting), engine.kv.num_free_pages,
                            engine.runner.num_kv_pages, engine.runner.max_batch_size)
+
+
+_ANNOUNCEMENT: contextvars.ContextVar[Announcement | None] = contextvars.ContextVar("tllm_spec_announcement",
+                                                                                    default=None)
+
+
+@contextlib.contextmanager
+def announced(loop: EngineLoop) -> Iterator[None]:
+    """The request handled inside this block is announced to the engine (:meth:`EngineLoop.announce`) until
+    :meth:`AsyncEngine.generate` submits it, or until the block ends (a refused request)."""
+    announcement = loop.announce()
+    token = _ANNOUNCEMENT.set(announcement)
+    try:
+        yield
+    finally:
+        announcement.settle()
+        _ANNOUNCEMENT.reset(token)
+
+
+def settle_announcement() -> None:
+    announcement = _ANNOUNCEMENT.get()
+    if announcement is not None:
+        announcement.settle()
 
 
 class _Mailbox:

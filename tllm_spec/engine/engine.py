@@ -47,6 +47,7 @@ class Engine:
         self.running: list[Request] = []
         self.on_output: Callable[[StreamOutput], None] = lambda out: None
         self.should_yield: Callable[[], bool] = lambda: False  # news for the engine's thread: stop running ahead
+        self.num_incoming: Callable[[], int] = lambda: 0  # requests on their way (EngineLoop.announce)
         self._ids = itertools.count()
         self._tokenizer_lock = threading.Lock()
         self._last_done = 0.0
@@ -214,11 +215,14 @@ class Engine:
 
     def idle_wait(self) -> float:
         """Seconds the engine's thread may sleep before waiting requests start, while nothing decodes: until none
-        has arrived for the admission window, at most ADMISSION_WINDOW_CAP windows after the first (0: now)."""
+        has arrived for the admission window and none is announced (on its way: a server reading it), at most
+        ADMISSION_WINDOW_CAP windows after the first (0: now)."""
         if self.running or not self.waiting or len(self.waiting) >= self.runner.max_batch_size:
             return 0.0
         now = self.clock()
         quiet = self.waiting[-1].arrival + self.admission_window - now
+        if self.num_incoming() > 0:
+            quiet = max(quiet, self.admission_window)  # look again after a window (or when a message comes)
         cap = self.waiting[0].arrival + ADMISSION_WINDOW_CAP * self.admission_window - now
         return max(0.0, min(quiet, cap))
 

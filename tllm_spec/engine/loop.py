@@ -32,8 +32,10 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._num_threads = torch.get_num_threads()  # intra-op threads of the thread that made the model
+        self._incoming = 0  # requests announced (on their way: being read, checked) and not yet submitted
         engine.on_output = self._on_output
         engine.should_yield = lambda: not self._inbox.empty()
+        engine.num_incoming = lambda: self._incoming
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Deliver, request_id: str | None = None,
                index: int = 0) -> str:
@@ -55,6 +57,18 @@ class EngineLoop:
                  in zip(ids, requests)]
         self._post(("add", items, deliver, seed))
         return ids
+
+    def announce(self) -> Announcement:
+        """A request is on its way (a server has begun reading it): an idle engine waits for it (within its
+        admission window's cap) so that a burst of arrivals starts together. Settle the announcement once the
+        request is submitted or refused."""
+        with self._lock:
+            self._incoming += 1
+        return Announcement(self)
+
+    def _settle(self) -> None:
+        with self._lock:
+            self._incoming -= 1
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step boundary ("abort"); its pages are freed there. Unknown ids are
@@ -151,3 +165,16 @@ class EngineLoop:
                 done.put((True, fn()))
             except Exception as err:
                 done.put((False, err))
+
+
+class Announcement:
+    """One announced request (:meth:`EngineLoop.announce`); :meth:`settle` once, when it is submitted or refused
+    (again: no-op)."""
+
+    def __init__(self, loop: EngineLoop):
+        self._loop: EngineLoop | None = loop
+
+    def settle(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop._settle()

@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import SamplingParams
+from ..engine.async_engine import announced
+from ..engine.loop import EngineLoop
 from ..spec_model import SpecModel
 from .errors import APIError, install_error_handlers
 from .generation import EventStream, Job, event_stream, run_to_end
@@ -115,6 +117,9 @@ def _server(request: Request) -> Server:
 routes = APIRouter()
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 @routes.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     return await _server(request).generate(body, body.single_prompt(), request)
@@ -162,6 +167,22 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class AnnounceRequests:
+    """ASGI middleware: a completion request is announced to the engine from the moment the server starts reading
+    it until it is submitted (or refused), so that an idle engine starts a burst of requests together instead of
+    the first one alone (EngineLoop.announce)."""
+
+    def __init__(self, app: ASGIApp, loop: EngineLoop):
+        self.app, self.loop = app, loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        with announced(self.loop):
+            await self.app(scope, receive, send)
+
+
 def build_app(model: SpecModel, model_name: str, api_key: str | None = None,
               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
     """The OpenAI-compatible app over ``model``'s engine (see the module docstring)."""
@@ -174,6 +195,7 @@ def build_app(model: SpecModel, model_name: str, api_key: str | None = None,
     app.state.server = Server(model, model_name, max_queue)
     install_error_handlers(app)
     app.include_router(routes)
+    app.add_middleware(AnnounceRequests, loop=model.loop)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     return app
