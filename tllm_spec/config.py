@@ -197,7 +197,7 @@ class MTPConfig(_Frozen):
 SpecConfig = Annotated[Eagle3Config | MTPConfig, Field(discriminator="decoding_type")]
 
 
-ADMISSION_WINDOW_CAP = 8  # an idle engine waits at most this many admission windows for a burst to end
+ADMISSION_WINDOW_CAP = 20  # an idle engine waits at most this many admission windows for a burst to end
 
 
 class EngineConfig(_Frozen):
