@@ -176,5 +176,8 @@ class DecoderLayer(nn.Module):
             hidden = self.self_attn(norm(hidden, self.input_layernorm), rope, attn, residual=hidden,
                                     rotary_epilogue=True)
             return self.mlp(norm(hidden, self.post_attention_layernorm), gated=True, residual=hidden)
+        if attn.context_lens and hidden.is_cuda:  # a prompt step never runs compiled: one norm kernel, not six ops
+            hidden = hidden + self.self_attn(norm(hidden, self.input_layernorm), rope, attn)
+            return hidden + self.mlp(norm(hidden, self.post_attention_layernorm))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
