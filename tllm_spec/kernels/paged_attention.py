@@ -145,7 +145,9 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     16 splits read 3.9 TB/s where 5 read 3.0."""
     if num_programs >= num_sms:
         return 1
-    wanted = max(-(-PROGRAMS_PER_SM * num_sms // num_programs), -(-max_kv_len // MAX_KEYS_PER_SPLIT))
+    # as many splits as fit one wave of PROGRAMS_PER_SM per SM (rounded down: a few programs over it make a second
+    # wave; at batch 8 and 8k keys, 5 splits took 100 µs where 4 took 77, scripts/sweep_splits.py)
+    wanted = max(PROGRAMS_PER_SM * num_sms // num_programs, -(-max_kv_len // MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, MAX_SPLITS, -(-max_kv_len // MIN_KEYS_PER_SPLIT)))
 
 
