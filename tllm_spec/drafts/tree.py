@@ -1,0 +1,198 @@
+"""Draft trees: the structure of a static EAGLE tree and its verification, as device-tensor ops (no host sync).
+
+A tree is given as TensorRT-LLM's ``eagle_choices``: one path per node, the top-k rank taken at each depth from
+the root, e.g. ``[[0], [1], [0, 0], [0, 1], [1, 0]]`` (the root is the last accepted token; ``[0, 1]`` is the
+second most likely child of the most likely first draft). Nodes are numbered breadth-first with the root as node
+0, so a node's index is never below its depth and a parent's index is below its children's.
+
+Verification of one step: the target scores the root and every node; node i's draft is accepted when it equals
+the target's token at its parent and its parent is accepted; the step keeps the deepest accepted node's path
+(the first in node order among equally deep ones), whose tokens are the target's at each node of the path (the
+last one is the bonus token). A chain of K drafts is the tree ``[[0], [0, 0], ...]``, and there this is exactly
+strict acceptance.
+
+Tree tokens are written to the cache at rows base + node index (nodes of one depth share a RoPE position,
+base + depth, but not a row); after acceptance the path's rows are moved to base + depth
+(:func:`compact_path_kv`), so the committed cache is what a chain would have left.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A static tree of ``num_nodes`` drafts (the root, node 0, not counted) up to ``max_depth`` deep.
+
+    Host structure (lists), plus :meth:`tensors` for the step: parents, depths, ranks [N+1] and the
+    ancestor-or-self mask [N+1, N+1] (row i: the nodes on i's path from the root), and each node's path
+    [N+1, D+1] (node indices from the root, padded with the node itself)."""
+
+    choices: tuple[tuple[int, ...], ...]  # breadth-first node order; node i + 1 is choices[i]
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> DraftTree:
+        """Validate ``eagle_choices`` and order them breadth-first (depth, then path). Raises ValueError naming
+        the first problem: an empty or repeated path, a negative rank, a path whose parent is missing (the
+        choices must be prefix-closed)."""
+        paths = [tuple(int(r) for r in c) for c in choices]
+        if not paths:
+            raise ValueError("eagle_choices must name at least one node")
+        seen: set[tuple[int, ...]] = set()
+        for path in paths:
+            if not path:
+                raise ValueError("eagle_choices: an empty path (the root is implicit)")
+            if min(path) < 0:
+                raise ValueError(f"eagle_choices: negative top-k rank in {list(path)}")
+            if path in seen:
+                raise ValueError(f"eagle_choices: {list(path)} appears twice")
+            seen.add(path)
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(f"eagle_choices must be prefix-closed: {list(path)} has no parent "
+                                 f"{list(path[:-1])}")
+        return cls(tuple(sorted(paths, key=lambda p: (len(p), p))))
+
+    @classmethod
+    def chain(cls, depth: int) -> DraftTree:
+        """The chain of ``depth`` drafts (each the most likely child of the one before)."""
+        return cls.from_choices([[0] * d for d in range(1, depth + 1)])
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft tokens in the tree (TensorRT-LLM's max_total_draft_tokens for a static tree)."""
+        return len(self.choices)
+
+    @property
+    def max_depth(self) -> int:
+        """The longest path (TensorRT-LLM's max_draft_len)."""
+        return max(len(c) for c in self.choices)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.num_nodes == self.max_depth
+
+    @property
+    def parents(self) -> list[int]:
+        """[N+1]: each node's parent (the root's: 0)."""
+        index = {c: i + 1 for i, c in enumerate(self.choices)}
+        return [0] + [index.get(c[:-1], 0) for c in self.choices]
+
+    @property
+    def depths(self) -> list[int]:
+        return [0] + [len(c) for c in self.choices]
+
+    @property
+    def ranks(self) -> list[int]:
+        """[N+1]: the top-k rank of each node among its parent's draft distribution (the root's: 0)."""
+        return [0] + [c[-1] for c in self.choices]
+
+    def paths(self) -> list[list[int]]:
+        """[N+1] lists: each node's path of node indices from the root (root first, the node last)."""
+        parents, out = self.parents, [[0]]
+        for i in range(1, self.num_nodes + 1):
+            out.append(out[parents[i]] + [i])
+        return out
+
+    def nodes_at_depth(self, depth: int) -> list[int]:
+        return [i for i, d in enumerate(self.depths) if d == depth]
+
+    def tensors(self, device: torch.device | str = "cpu") -> TreeTensors:
+        paths = self.paths()
+        width = self.max_depth + 1
+        padded = [p + [p[-1]] * (width - len(p)) for p in paths]
+        ancestors = torch.zeros(self.num_nodes + 1, self.num_nodes + 1, dtype=torch.bool)
+        for i, p in enumerate(paths):
+            ancestors[i, p] = True
+        as_long = {"dtype": torch.int64, "device": device}
+        index = {c: i + 1 for i, c in enumerate(self.choices)}
+        spine = [0]
+        while (0,) * len(spine) in index:
+            spine.append(index[(0,) * len(spine)])
+        return TreeTensors(torch.tensor(self.parents, **as_long), torch.tensor(self.depths, **as_long),
+                           torch.tensor(self.ranks, **as_long), ancestors.to(device), torch.tensor(padded, **as_long),
+                           torch.tensor(spine, **as_long))
+
+
+@dataclass(frozen=True)
+class TreeTensors:
+    """A :class:`DraftTree` on the device: parents, depths, ranks [N+1] int64; ancestors [N+1, N+1] bool
+    (ancestor-or-self); paths [N+1, D+1] int64 (node indices from the root, padded with the node); spine: the
+    chain of most likely children from the root."""
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ranks: torch.Tensor
+    ancestors: torch.Tensor
+    paths: torch.Tensor
+    spine: torch.Tensor  # [S+1] int64: the rank-0 chain from the root (root first), as deep as it goes
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[0] - 1
+
+    def attention_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool: tree token i (the root first) may attend to tree token j (besides the committed
+        context): j is on i's path."""
+        return self.ancestors
+
+
+def tree_greedy_accept(tree: TreeTensors, draft_tokens: torch.Tensor, target_tokens: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification of a tree per request: the deepest path whose every draft equals the target's token
+    at its parent (the first in node order among equally deep ones).
+
+    draft_tokens [B, N] (node i's draft in column i - 1); target_tokens [B, N+1] (the target's token after the
+    root and after each node). Returns (num_accepted [B] int64: the path's nodes including the root, i.e. the
+    tokens emitted with the bonus; path [B, D+1] int64: its node indices from the root, padded with its last
+    node; tokens [B, D+1] int64: the target's token at each path node, the first num_accepted valid)."""
+    num_requests = draft_tokens.shape[0]
+    parent_tokens = target_tokens.gather(1, tree.parents[1:].expand(num_requests, -1))  # [B, N]
+    mismatch = torch.cat([draft_tokens.new_zeros(num_requests, 1, dtype=torch.bool), draft_tokens != parent_tokens],
+                         dim=1)  # [B, N+1]; the root always matches
+    broken = mismatch.to(torch.float32) @ tree.ancestors.T.to(torch.float32)  # [B, N+1]: mismatches on the path
+    accepted = broken == 0
+    num_nodes = tree.num_nodes + 1
+    score = torch.where(accepted, tree.depths * num_nodes + (num_nodes - 1 - torch.arange(num_nodes,
+                                                                                           device=tree.depths.device)),
+                        -1)
+    best = score.argmax(dim=1)  # [B]
+    path = tree.paths[best]  # [B, D+1]
+    return tree.depths[best] + 1, path, target_tokens.gather(1, path)
+
+
+def forced_tree_path(tree: TreeTensors, num_accepted: torch.Tensor) -> torch.Tensor:
+    """The path a forced acceptance of ``num_accepted`` [B] tokens takes (TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS
+    on a tree): the most likely child at every depth (rank 0 all the way), as deep as asked and that chain goes.
+    Returns the path [B, D+1] of node indices (padded with its last node)."""
+    depth = (num_accepted - 1).clamp(min=0, max=tree.spine.shape[0] - 1)
+    return tree.paths[tree.spine[depth]]
+
+
+def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor,
+                    base: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Move the accepted path's K/V rows into place, in one layer's paged cache: path node j of request b (row
+    base[b] + path[b, j]) to row base[b] + j, for j < num_accepted[b]. A node's index is never below its depth, so
+    no row is read after it was written (done as one gather, then one scatter).
+
+    k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [S, P] int32; slots, base, num_accepted [B]
+    int64; path [B, D+1] int64."""
+    page_size = k_cache.shape[1]
+    width = path.shape[1]
+    offsets = torch.arange(width, device=path.device)
+    keep = offsets[None, :] < num_accepted[:, None]  # [B, D+1]
+    src = base[:, None] + path
+    dst = base[:, None] + offsets[None, :]
+    dst = torch.where(keep, dst, src)  # rows not kept are written back onto themselves
+    table = block_tables[slots].long()  # [B, P]
+
+    def flat(rows: torch.Tensor) -> torch.Tensor:
+        return table.gather(1, rows // page_size) * page_size + rows % page_size
+
+    src_rows, dst_rows = flat(src).flatten(), flat(dst).flatten()
+    for cache in (k_cache, v_cache):
+        flat_cache = cache.view(-1, *cache.shape[2:])
+        flat_cache.index_copy_(0, dst_rows, flat_cache.index_select(0, src_rows))
