@@ -88,3 +88,44 @@ def test_mtp_on_the_demo_target_reads_the_demo_module():
     assert RunConfig(target_model="/models/x", spec_config=MTPConfig()).spec_config.mtp_checkpoint is None
     explicit = RunConfig(spec_config=MTPConfig(mtp_checkpoint="/heads/mtp")).spec_config.mtp_checkpoint
     assert explicit == "/heads/mtp"
+
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0]]
+
+
+def test_eagle3_tree_fields_follow_tensorrt_llm():
+    static = Eagle3Config(speculative_model="x", max_draft_len=2, eagle_choices=TREE)
+    assert static.is_spec_dec_tree and static.total_draft_tokens == 5 and static.draft_tree.max_depth == 2
+    assert Eagle3Config(speculative_model="x", max_draft_len=2, eagle_choices=TREE,
+                        max_total_draft_tokens=5).total_draft_tokens == 5
+    chain = Eagle3Config(speculative_model="x", max_draft_len=3, eagle_choices=[[0], [0, 0], [0, 0, 0]])
+    assert not chain.is_spec_dec_tree and chain.total_draft_tokens == 3  # a chain is not a tree
+    plain = Eagle3Config(speculative_model="x", max_draft_len=3)
+    assert not plain.is_spec_dec_tree and plain.total_draft_tokens == 3 and plain.draft_tree is None
+    dynamic = Eagle3Config(speculative_model="x", max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=4,
+                           max_total_draft_tokens=16)
+    assert dynamic.is_spec_dec_tree and dynamic.total_draft_tokens == 16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_draft_len=3, eagle_choices=TREE), "2 deep"),
+    (dict(max_draft_len=2, eagle_choices=TREE, max_total_draft_tokens=6), "5 nodes"),
+    (dict(max_draft_len=2, eagle_choices=[[0], [1, 0]]), "prefix-closed"),
+    (dict(max_draft_len=2, eagle_choices=TREE, use_dynamic_tree=True), "exclude each other"),
+    (dict(max_draft_len=4, use_dynamic_tree=True, max_total_draft_tokens=16), "dynamic_tree_max_topK"),
+    (dict(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=4, max_total_draft_tokens=3), "at least"),
+    (dict(max_draft_len=3, dynamic_tree_max_topK=4), "use_dynamic_tree=True only"),
+    (dict(max_draft_len=3, max_total_draft_tokens=8), "a chain drafts"),
+])
+def test_bad_tree_configs_are_refused(kwargs, message):
+    with pytest.raises(ValidationError, match=message):
+        Eagle3Config(speculative_model="x", **kwargs)
+
+
+def test_a_branching_tree_is_refused_at_load_with_a_clear_error():
+    from tests.models import tiny_pair
+    target, head = tiny_pair("llama")
+    from tllm_spec import SpecModel
+    with pytest.raises(ValueError, match="tree drafting"):
+        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=2,
+                                                       eagle_choices=TREE))

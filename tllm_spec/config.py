@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .modes import SpeculativeDecodingMode
+
+if TYPE_CHECKING:
+    from .drafts.tree import DraftTree
 
 # A temperature below this is greedy (TensorRT-LLM's sentinel for "temperature disabled" is ~1e-5).
 GREEDY_TEMPERATURE = 1e-4
@@ -115,6 +118,16 @@ class Eagle3Config(_Frozen):
     use_rejection_sampling: bool = Field(
         False, description="sampled requests draw drafts at their temperature/top-k/top-p and verify them by "
         "speculative (rejection) sampling; greedy requests keep exact argmax verification")
+    max_total_draft_tokens: int | None = Field(None, ge=1, le=256, description="draft tokens of a tree (N); "
+                                               "None: max_draft_len (a chain)")
+    eagle_choices: list[list[int]] | None = Field(None, description="a static draft tree, one path of top-k ranks "
+                                                  "per node from the root, e.g. [[0], [1], [0, 0]] (prefix-closed; "
+                                                  "its depth is max_draft_len, its size max_total_draft_tokens)")
+    use_dynamic_tree: bool = Field(False, description="a dynamic tree: each depth expands the top "
+                                   "dynamic_tree_max_topK children of the frontier and keeps the "
+                                   "max_total_draft_tokens nodes of highest cumulative draft probability")
+    dynamic_tree_max_topK: int | None = Field(None, ge=1, le=64, description="children per frontier node of a "
+                                              "dynamic tree")
 
     @model_validator(mode="after")
     def _check(self) -> Eagle3Config:
@@ -123,7 +136,52 @@ class Eagle3Config(_Frozen):
             raise ValueError(f"eagle3_layers_to_capture must be 3 non-negative layer ids (repeats allowed), "
                              f"got {layers}")
         check_draft_len_schedule(self.draft_len_schedule, self.max_draft_len)
+        self._check_tree()
         return self
+
+    def _check_tree(self) -> None:
+        """The tree fields agree with each other and with max_draft_len (TensorRT-LLM's rules)."""
+        total = self.max_total_draft_tokens
+        if self.eagle_choices is not None and self.use_dynamic_tree:
+            raise ValueError("eagle_choices (a static tree) and use_dynamic_tree exclude each other")
+        if self.eagle_choices is not None:
+            tree = self.draft_tree
+            if tree.max_depth != self.max_draft_len:
+                raise ValueError(f"eagle_choices are {tree.max_depth} deep; max_draft_len must equal that, got "
+                                 f"{self.max_draft_len}")
+            if total is not None and total != tree.num_nodes:
+                raise ValueError(f"eagle_choices have {tree.num_nodes} nodes; max_total_draft_tokens must equal "
+                                 f"that (or be left out), got {total}")
+        if self.use_dynamic_tree:
+            if self.dynamic_tree_max_topK is None or total is None:
+                raise ValueError("use_dynamic_tree needs dynamic_tree_max_topK and max_total_draft_tokens")
+            if total < self.max_draft_len:
+                raise ValueError(f"max_total_draft_tokens ({total}) must be at least max_draft_len "
+                                 f"({self.max_draft_len}): the tree holds a path of that depth")
+        elif self.dynamic_tree_max_topK is not None:
+            raise ValueError("dynamic_tree_max_topK applies to use_dynamic_tree=True only")
+        if self.eagle_choices is None and not self.use_dynamic_tree and total not in (None, self.max_draft_len):
+            raise ValueError(f"a chain drafts max_draft_len tokens: max_total_draft_tokens must be "
+                             f"{self.max_draft_len} or left out without eagle_choices / use_dynamic_tree, got {total}")
+
+    @property
+    def draft_tree(self) -> DraftTree | None:
+        """The static tree of ``eagle_choices`` (None: a chain or a dynamic tree)."""
+        from .drafts.tree import DraftTree  # the drafts package imports this module
+
+        return DraftTree.from_choices(self.eagle_choices) if self.eagle_choices is not None else None
+
+    @property
+    def is_spec_dec_tree(self) -> bool:
+        """Drafts form a tree (static or dynamic); a chain is not one (TensorRT-LLM's SpecMetadata meaning)."""
+        return self.use_dynamic_tree or (self.eagle_choices is not None and not self.draft_tree.is_chain)
+
+    @property
+    def total_draft_tokens(self) -> int:
+        """Draft tokens verified per step: the tree's size, or max_draft_len for a chain."""
+        if self.eagle_choices is not None:
+            return self.draft_tree.num_nodes
+        return self.max_total_draft_tokens or self.max_draft_len
 
     @property
     def spec_dec_mode(self) -> SpeculativeDecodingMode:

@@ -66,6 +66,9 @@ class SpecMetadata:
         self.num_context_requests = 0
         self.num_generation_requests = 0
         self.draft_len = self.next_draft_len = max_draft_len
+        # TensorRT-LLM's tree fields, with a chain's values (the step drafts chains: drafts/tree.py verifies trees)
+        self.max_total_draft_tokens = max_draft_len
+        self.is_spec_dec_tree = self.is_spec_dec_dynamic_tree = False
         self._prepared: tuple[list[SamplingParams], tuple[int, ...]] = ([], ())  # what the rows hold now
         self.all_greedy = True
         self.has_request_seeds = False

@@ -98,6 +98,9 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
     """The worker for ``cfg``: the head from ``cfg.speculative_model``, fed the target layers it was trained on
     (which this call makes the target capture). ``max_batch_size`` is unused: the head keeps no per-request
     state beyond the KV cache (the same signature as the MTP build function)."""
+    if cfg.is_spec_dec_tree:
+        raise ValueError("tree drafting (eagle_choices with branches, use_dynamic_tree) is not available in this "
+                         "version: draft a chain (max_draft_len, or eagle_choices of one branch)")
     ckpt = load_eagle3_checkpoint(cfg.speculative_model, target_hidden_size=target.hidden_size,
                                   target_vocab_size=target.vocab_size)
     target.capture_layers(resolve_capture_layers(cfg.eagle3_layers_to_capture, ckpt.config.aux_layer_ids,
