@@ -196,3 +196,69 @@ def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: 
     for cache in (k_cache, v_cache):
         flat_cache = cache.view(-1, *cache.shape[2:])
         flat_cache.index_copy_(0, dst_rows, flat_cache.index_select(0, src_rows))
+
+
+def tree_children(tree: DraftTree) -> list[list[int]]:
+    """[N+1] lists: each node's children in rank order."""
+    children: list[list[int]] = [[] for _ in range(tree.num_nodes + 1)]
+    for node in range(1, tree.num_nodes + 1):
+        children[tree.parents[node]].append(node)
+    ranks = tree.ranks
+    return [sorted(c, key=lambda n: ranks[n]) for c in children]
+
+
+def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                          draft_tokens: torch.Tensor, generator: torch.Generator | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless verification of sampled tree drafts (recursive rejection sampling without replacement, the
+    multi-draft rule of SpecInfer / EAGLE-2 sampling): the emitted tokens are distributed as the target's own.
+
+    Each node's children must have been drawn one after the other *without replacement* from the draft's
+    distribution at that node (the first from q, the next from q without the first, renormalised, ...; e.g. a
+    Gumbel top-k). From the root: child c (in rank order) is accepted with probability min(1, p(x_c) / q(x_c));
+    on a rejection p becomes norm(max(p - q, 0)) and q loses x_c (renormalised); the first accepted child becomes
+    the node and verification goes on below it; when every child is rejected a token is drawn from the last p
+    and the step ends; a leaf reached emits a bonus token drawn from its target distribution.
+
+    target_probs, draft_probs [B, N+1, V] (at the root and every node: the target's and the draft's next-token
+    distributions); draft_tokens [B, N]. Returns (num_accepted [B]: tokens emitted, the last drawn; tokens
+    [B, D+1], the first num_accepted valid). A torch reference (one loop per depth and child rank)."""
+    num_requests, _, vocab = target_probs.shape
+    device = target_probs.device
+    children = tree_children(tree)
+    rows = torch.arange(num_requests, device=device)
+    node = torch.zeros(num_requests, dtype=torch.int64, device=device)
+    alive = torch.ones(num_requests, dtype=torch.bool, device=device)
+    tokens = torch.zeros(num_requests, tree.max_depth + 1, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
+    width = max(len(c) for c in children)
+    child_table = torch.tensor([c + [-1] * (width - len(c)) for c in children], device=device)  # [N+1, W]
+    for depth in range(tree.max_depth + 1):
+        p = target_probs[rows, node].clone()  # [B, V]
+        q = draft_probs[rows, node].clone()
+        moved = torch.zeros(num_requests, dtype=torch.bool, device=device)
+        next_node = node.clone()
+        for rank in range(width):
+            child = child_table[node, rank]  # [B]
+            trying = alive & ~moved & (child >= 0)
+            x = draft_tokens[rows, (child - 1).clamp(min=0)]  # [B]
+            p_x, q_x = p[rows, x], q[rows, x]
+            u = torch.rand(num_requests, generator=generator, device=device)
+            accept = trying & (u * q_x < p_x)  # u < p / q, and q_x > 0 for a token drawn from q
+            moved |= accept
+            next_node = torch.where(accept, child, next_node)
+            tokens[:, depth] = torch.where(accept, x, tokens[:, depth])
+            reject = trying & ~accept
+            residual = (p - q).clamp(min=0)
+            residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
+            p = torch.where(reject[:, None], residual, p)
+            q_without = q.scatter(1, x[:, None], 0.0)
+            q_without = q_without / q_without.sum(-1, keepdim=True).clamp(min=1e-30)
+            q = torch.where(reject[:, None], q_without, q)
+        ending = alive & ~moved  # every child rejected, or a leaf: draw from what p has become
+        drawn = torch.multinomial(p.clamp(min=0) + (~ending)[:, None].float(), 1, generator=generator)[:, 0]
+        tokens[:, depth] = torch.where(ending, drawn, tokens[:, depth])
+        num_accepted = torch.where(ending, depth + 1, num_accepted)
+        alive &= moved
+        node = next_node
+    return num_accepted, tokens
