@@ -7,6 +7,12 @@ TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
     python scripts/benchmark.py --plot-only runs/bench/benchmark.json
     torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape llama-3.1-70b --no-hf
     python scripts/benchmark.py --context 2048 8192 32768 --batches 1 8 --attention-backends old split flashinfer xqa
+    python scripts/benchmark.py --startup --batches 8 --out docs/benchmarks --startup-name h200-llama-3.1-8b-startup
+
+--startup: start-up time instead (tllm_spec/tools/startup.py): spawn to ready for every request (warm-up of every
+bucket up to the largest --batches, greedy, sampled and seeded) in a fresh cache directory and again in a second
+process, and what serving mixed batches at every bucket compiled after that; --gpu-tests also times pytest tests/gpu
+on the warm caches. Writes <--out>/<--startup-name>.json.
 
 --context: long-context decoding instead (step time against the roofline, prefill tokens/s and TTFT per batch
 size, context and mode: no speculation, EAGLE-3 with K of K drafts forced) and, with --attention-backends, the
@@ -47,6 +53,7 @@ from tllm_spec.tools.context_report import (
     run_context_benchmark,
 )
 from tllm_spec.tools.random_models import SHAPES, random_spec_model
+from tllm_spec.tools.startup import run_startup
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,6 +79,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json (or context.json)")
     add_context_arguments(p)
+    startup = p.add_argument_group("start-up (--startup)")
+    startup.add_argument("--startup", action="store_true", help="measure start-up time instead (see above)")
+    startup.add_argument("--startup-name", default="startup", help="the JSON's name under --out")
+    startup.add_argument("--gpu-tests", action="store_true", help="also time pytest tests/gpu on the warm caches")
     args = p.parse_args()
     check_context_arguments(p, args)
     return args
@@ -82,6 +93,11 @@ def main() -> None:
     if args.plot_only:
         data = json.loads(Path(args.plot_only).read_text())
         (plot_context if data.get("kind") == "context" else plot)(data, Path(args.plot_only).with_suffix(".png"))
+        return
+    if args.startup:
+        result = run_startup(args.shape, max(args.batches), "cuda", Path(args.out) / f"{args.startup_name}.json",
+                             args.gpu_tests)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("fresh", "warm")}, indent=1))
         return
     if args.context:
         run_context_benchmark(context_run(args), Path(args.out), Path(args.context_json) if args.context_json else None)

@@ -1,0 +1,28 @@
+"""The start-up benchmark (tllm_spec/tools/startup.py) end to end on the CPU: two real child processes on one
+fresh cache directory, each built, warmed up and serving mixed batches at every bucket; the report's fields."""
+from __future__ import annotations
+
+import json
+
+from tllm_spec.tools.startup import mixed_params, run_startup
+
+
+def test_startup_report_from_two_fresh_processes(tmp_path):
+    out = tmp_path / "startup.json"
+    result = run_startup("tiny", 2, "cpu", out)
+    assert json.loads(out.read_text()) == result
+    for run in ("fresh", "warm"):
+        child = result[run]
+        assert child["ready_s"] > 0 and set(child["phases_s"]) == {"interpreter_and_imports", "build_model", "warmup"}
+        assert abs(sum(child["phases_s"].values()) - child["ready_s"]) < 1e-6
+        assert child["served_buckets"] == [1, 2]
+    assert result["fresh_ready_s"] == result["fresh"]["ready_s"] and result["warm_ready_s"] == result["warm"]["ready_s"]
+    assert result["compiles_after_ready"] == 0 and result["captures_after_ready"] == 0  # the CPU compiles nothing
+    assert result["gpu_test_suite_s"] is None
+
+
+def test_mixed_batches_cycle_through_greedy_sampled_and_seeded():
+    params = mixed_params(5, guided=False)
+    assert [(p.temperature > 0, p.seed is not None) for p in params] == \
+        [(False, False), (True, False), (True, True), (False, False), (True, False)]
+    assert mixed_params(4, guided=True)[3].guided_decoding is not None

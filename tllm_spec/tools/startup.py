@@ -1,0 +1,138 @@
+"""Start-up time: from a fresh process to ready for every request, in a fresh cache directory and again in a
+second process that finds the first one's caches; then whether serving compiles anything more.
+
+The parent (:func:`run_startup`, ``scripts/benchmark.py --startup``) starts this module as a child process
+twice with ``TLLM_SPEC_CACHE_DIR`` pointing at a new directory (Inductor's, Triton's and FlashInfer's caches all
+under it, :mod:`tllm_spec.caches`). The child times its phases: interpreter and imports, building the model
+(random weights of a named shape, an EAGLE-3 head), :meth:`SpecModel.warmup` (compiles, graph captures and
+FlashInfer's sampling build); "ready" is the end of the warm-up. It then serves a batch mixing greedy, sampled and
+seeded requests (and guided ones where llguidance is installed) at every batch bucket and counts what that
+compiled or captured: a request path that compiles shows up as ``compiles_after_ready > 0``.
+"""
+from __future__ import annotations
+
+import time
+
+START = time.time()  # this module's start (the package, torch among its imports, was imported before it)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from ..caches import CACHE_DIR_VAR, CACHE_VARS  # noqa: E402
+
+
+def num_compiled_graphs() -> int:
+    """Graphs torch.compile (Dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def mixed_params(size: int, guided: bool) -> list:
+    """``size`` requests cycling through greedy, sampled, seeded sampled (and JSON-guided) parameters."""
+    from ..config import SamplingParams
+
+    kinds = [SamplingParams(max_new_tokens=8, ignore_eos=True),
+             SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9),
+             SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, top_k=50, seed=7)]
+    if guided:
+        kinds.append(SamplingParams(max_new_tokens=8, guided_decoding={"json_schema": {"type": "object"}}))
+    return [kinds[i % len(kinds)] for i in range(size)]
+
+
+def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
+    """Build, warm up, serve mixed batches at every bucket; write the timings and counts to ``out``."""
+    imported = time.time()
+    from ..engine.cuda_graphs import batch_buckets
+    from .random_models import random_spec_model
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = random_spec_model(shape, "eagle3", 3, tempfile.mkdtemp(), dtype, device, max_batch_size=max_batch_size)
+    built = time.time()
+    graphs = model.warmup()
+    ready = time.time()
+    compiles, captured = num_compiled_graphs(), graphs
+    guided = model.runner.enable_guided_decoding() is None if model.tokenizer is not None else False
+    vocab = model.target.vocab_size
+    for size in batch_buckets(max_batch_size):
+        prompts = [[(31 * i + j) % vocab for j in range(16)] for i in range(size)]
+        model.generate(prompts, mixed_params(size, guided))
+    graph_runner = model.runner.graph_runner
+    result = {"start": START, "imported": imported, "built": built, "ready": ready,
+              "graphs_at_ready": captured, "compiles_at_ready": compiles,
+              "compiles_after_ready": num_compiled_graphs() - compiles,
+              "captures_after_ready": (len(graph_runner.graphs) - captured) if graph_runner is not None else 0,
+              "guided_served": guided, "served_buckets": batch_buckets(max_batch_size)}
+    out.write_text(json.dumps(result, indent=1))
+
+
+def run_child(shape: str, max_batch_size: int, device: str, cache_dir: Path, timeout_s: float) -> dict:
+    """One child process with all caches under ``cache_dir``; its result plus ``ready_s`` (spawn to ready)."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
+    env[CACHE_DIR_VAR] = str(cache_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "child.json"
+        spawned = time.time()
+        subprocess.run([sys.executable, "-m", "tllm_spec.tools.startup", "--child", "--shape", shape,
+                        "--max-batch-size", str(max_batch_size), "--device", device, "--out", str(out)],
+                       env=env, check=True, timeout=timeout_s)
+        result = json.loads(out.read_text())
+    result["ready_s"] = result["ready"] - spawned
+    result["phases_s"] = {"interpreter_and_imports": result["imported"] - spawned,
+                          "build_model": result["built"] - result["imported"],
+                          "warmup": result["ready"] - result["built"]}
+    return result
+
+
+def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tests: bool = False,
+                timeout_s: float = 1800.0) -> dict:
+    """Fresh process in a fresh cache directory, then a second process on the same caches; with ``gpu_tests``
+    also the wall time of ``pytest tests/gpu`` on those caches. Writes ``out`` (JSON) and returns it."""
+    cache_dir = Path(tempfile.mkdtemp(prefix="tllm_spec_startup_cache_"))
+    fresh = run_child(shape, max_batch_size, device, cache_dir, timeout_s)
+    warm = run_child(shape, max_batch_size, device, cache_dir, timeout_s)
+    result = {"shape": shape, "max_batch_size": max_batch_size, "device": _device_name(device),
+              "date": time.strftime("%Y-%m-%d"), "fresh_ready_s": fresh["ready_s"], "warm_ready_s": warm["ready_s"],
+              "compiles_after_ready": max(fresh["compiles_after_ready"], warm["compiles_after_ready"]),
+              "captures_after_ready": max(fresh["captures_after_ready"], warm["captures_after_ready"]),
+              "gpu_test_suite_s": None, "gpu_test_suite_rc": None, "fresh": fresh, "warm": warm}
+    if gpu_tests:
+        env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
+        env[CACHE_DIR_VAR] = str(cache_dir)
+        began = time.time()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], env=env, timeout=timeout_s)
+        result["gpu_test_suite_s"], result["gpu_test_suite_rc"] = time.time() - began, done.returncode
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else device
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", action="store_true", help="(internal) the measured process")
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", required=True)
+    p.add_argument("--gpu-tests", action="store_true")
+    args = p.parse_args(argv)
+    if args.child:
+        child(args.shape, args.max_batch_size, args.device, Path(args.out))
+    else:
+        print(json.dumps(run_startup(args.shape, args.max_batch_size, args.device, Path(args.out), args.gpu_tests),
+                         indent=1))
+
+
+if __name__ == "__main__":
+    main()
