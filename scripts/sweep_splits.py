@@ -10,7 +10,13 @@ import argparse
 import torch
 
 from tllm_spec.kernels.paged_attention import _num_sms, choose_num_splits
-from tllm_spec.tools.attention_bench import VerifyShape, copies_for, make_inputs, paged_run, time_per_call_us
+from tllm_spec.tools.attention_bench import (
+    VerifyShape,
+    copies_for,
+    make_inputs,
+    paged_run,
+    time_per_call_us,
+)
 
 
 def main() -> None:

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from tllm_spec.drafts.base import strict_acceptance
-from tllm_spec.drafts.tree import DraftTree, compact_path_kv, forced_tree_path, tree_greedy_accept
+from tllm_spec.drafts.tree import (
+    DraftTree,
+    compact_path_kv,
+    forced_tree_path,
+    tree_greedy_accept,
+)
 
 TREES = {
     "chain3": [[0], [0, 0], [0, 0, 0]],

@@ -47,7 +47,7 @@ def engine_with_clock():
 
     def collect(out):
         outputs.setdefault(out.request_id, []).extend(out.token_ids)
-    engine.clock, engine.on_output, engine.should_yield = clock, collect, (lambda: True)
+    engine.admission.clock, engine.on_output, engine.should_yield = clock, collect, (lambda: True)
     with torch.inference_mode():
         yield model, engine, clock, outputs
 
@@ -64,7 +64,7 @@ def start_alone(engine, clock) -> None:
 
 
 def test_an_idle_engine_starts_a_burst_together_once_it_is_over(engine_with_clock):
-    model, engine, clock, outputs = engine_with_clock
+    _model, engine, clock, _outputs = engine_with_clock
     engine.add(0, [5, 6, 7], SHORT, "a")
     assert engine.idle_wait() == pytest.approx(WINDOW)
     engine.step()
@@ -84,21 +84,21 @@ def test_an_idle_engine_starts_a_burst_together_once_it_is_over(engine_with_cloc
 def test_an_announced_request_holds_an_idle_engine(engine_with_clock):
     """A request a server has begun reading (EngineLoop.announce) keeps the idle engine waiting for it, within the
     cap; settled, the engine starts once the window is quiet."""
-    model, engine, clock, outputs = engine_with_clock
+    model, engine, clock, _outputs = engine_with_clock
     announcement = model.loop.announce()
     engine.add(0, [5, 6, 7], SHORT, "a")
     clock.now += WINDOW * 2
     assert engine.idle_wait() == pytest.approx(WINDOW)  # quiet, but one is on its way
     announcement.settle()
     announcement.settle()  # once only
-    assert engine.num_incoming() == 0 and engine.idle_wait() == 0.0
+    assert engine.admission.num_incoming() == 0 and engine.idle_wait() == 0.0
     engine.step()
     assert running_ids(engine) == {"a"}
 
 
 def test_an_endless_burst_starts_after_the_cap(engine_with_clock, monkeypatch):
-    monkeypatch.setattr("tllm_spec.engine.engine.ADMISSION_WINDOW_CAP", 2)
-    model, engine, clock, outputs = engine_with_clock
+    monkeypatch.setattr("tllm_spec.engine.admission.ADMISSION_WINDOW_CAP", 2)
+    _model, engine, clock, _outputs = engine_with_clock
     engine.add(0, [5], SHORT, "a")
     for i in range(1, 3):  # arrivals every 2/3 window: never quiet for a whole one
         clock.now += WINDOW * 2 / 3
@@ -107,11 +107,11 @@ def test_an_endless_burst_starts_after_the_cap(engine_with_clock, monkeypatch):
     clock.now += WINDOW * 2 / 3 - 1e-6
     assert engine.idle_wait() > 0.0
     clock.now += 2e-6
-    assert engine.idle_wait() == 0.0 and engine.admission_due()
+    assert engine.idle_wait() == 0.0 and engine.admission.due(engine.waiting, engine.running)
 
 
 def test_a_full_batch_of_arrivals_starts_at_once(engine_with_clock):
-    model, engine, clock, outputs = engine_with_clock
+    _model, engine, _clock, _outputs = engine_with_clock
     for i in range(4):  # max_batch_size
         engine.add(i, [5 + i], SHORT, f"r{i}")
     assert engine.idle_wait() == 0.0
@@ -132,9 +132,9 @@ def test_the_engine_thread_sleeps_through_the_window():
 
 
 def test_a_request_waits_while_others_decode_then_joins(engine_with_clock):
-    model, engine, clock, outputs = engine_with_clock
+    _model, engine, clock, outputs = engine_with_clock
     start_alone(engine, clock)
-    engine.prefill_seconds = 1.0
+    engine.admission.prefill_seconds = 1.0
     engine.add(1, [9, 10, 11], SHORT, "late")
     for _ in range(3):
         engine.step()
@@ -152,9 +152,9 @@ def test_a_request_waits_while_others_decode_then_joins(engine_with_clock):
 
 
 def test_waiting_requests_that_fill_the_free_slots_join_at_once(engine_with_clock):
-    model, engine, clock, outputs = engine_with_clock
+    _model, engine, clock, _outputs = engine_with_clock
     start_alone(engine, clock)
-    engine.prefill_seconds = 1.0
+    engine.admission.prefill_seconds = 1.0
     engine.add(1, [9, 10, 11], SHORT, "a")
     engine.add(2, [12, 13], SHORT, "b")
     engine.step()
@@ -171,19 +171,19 @@ def test_factor_zero_admits_at_once():
     with torch.inference_mode():
         engine.add(0, [5, 6, 7, 8], LONG, "long")
         engine.step()
-        engine.prefill_seconds = 1e9
+        engine.admission.prefill_seconds = 1e9
         engine.add(1, [9, 10, 11], SHORT, "late")
         engine.step()
         assert {r.request_id for r in engine.running} == {"long", "late"}
 
 
 def test_the_prefill_step_time_is_measured(engine_with_clock):
-    model, engine, clock, outputs = engine_with_clock
-    assert engine.prefill_seconds == 0.0
+    _model, engine, clock, _outputs = engine_with_clock
+    assert engine.admission.prefill_seconds == 0.0
     engine.add(0, [5, 6, 7, 8], SHORT, "a")
     clock.now += WINDOW
     engine.step()
-    assert engine.prefill_seconds > 0.0
+    assert engine.admission.prefill_seconds > 0.0
 
 
 @pytest.mark.parametrize("field", ["scheduler_delay_factor", "admission_window_ms"])

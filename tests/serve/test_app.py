@@ -93,12 +93,12 @@ def test_completion_requests_are_announced_until_submitted_or_refused(mtp_model,
     check_prompt = async_engine.check_prompt
 
     def check(*args):
-        checked.append(engine.num_incoming())  # while the server checks it: announced
+        checked.append(engine.admission.num_incoming())  # while the server checks it: announced
         return check_prompt(*args)
     monkeypatch.setattr(async_engine, "check_prompt", check)
 
     def add(*args, **kwargs):
-        seen.append(engine.num_incoming())  # on the engine's thread, when the request arrives there
+        seen.append(engine.admission.num_incoming())  # on the engine's thread, when the request arrives there
         return original(*args, **kwargs)
     engine.add = add
     try:
@@ -116,4 +116,4 @@ def test_completion_requests_are_announced_until_submitted_or_refused(mtp_model,
         engine.add = original
     assert len(checked) >= 2 and set(checked) == {1} and seen == [0, 0]  # settled by the submit, before the engine
     # took the request
-    assert engine.num_incoming() == 0
+    assert engine.admission.num_incoming() == 0

@@ -223,7 +223,7 @@ def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_pro
     target_probs, draft_probs [B, N+1, V] (at the root and every node: the target's and the draft's next-token
     distributions); draft_tokens [B, N]. Returns (num_accepted [B]: tokens emitted, the last drawn; tokens
     [B, D+1], the first num_accepted valid). A torch reference (one loop per depth and child rank)."""
-    num_requests, _, vocab = target_probs.shape
+    num_requests = target_probs.shape[0]
     device = target_probs.device
     children = tree_children(tree)
     rows = torch.arange(num_requests, device=device)

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import ADMISSION_WINDOW_CAP, SamplingParams
+from ..config import SamplingParams
 from ..sampling.logprobs import StepLogprobs
+from .admission import AdmissionPolicy
 from .detokenizer import Detokenizer
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
 from .runner import ModelRunner
@@ -37,17 +38,13 @@ class Engine:
         self.k = runner.max_draft_len
         self.max_seq_len = runner.max_seq_len
         self.max_num_batched_tokens = runner.engine_config.max_num_batched_tokens  # prompt tokens per step
-        self.delay_factor = runner.engine_config.scheduler_delay_factor
-        self.admission_window = runner.engine_config.admission_window_ms / 1e3
-        self.clock: Callable[[], float] = time.perf_counter
-        self.prefill_seconds = 0.0  # the last step with prompt chunks, launch to outputs read
+        self.admission = AdmissionPolicy(runner.engine_config)
         self.guided_error: str | None = None  # why guided decoding is unavailable (its requests are rejected)
         self.timer = DecodeTimer()  # every decode step since the engine was made
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.on_output: Callable[[StreamOutput], None] = lambda out: None
         self.should_yield: Callable[[], bool] = lambda: False  # news for the engine's thread: stop running ahead
-        self.num_incoming: Callable[[], int] = lambda: 0  # requests on their way (EngineLoop.announce)
         self._ids = itertools.count()
         self._tokenizer_lock = threading.Lock()
         self._last_done = 0.0
@@ -199,37 +196,17 @@ class Engine:
         detokenizer = Detokenizer(self.decode, p.stop) if self.tokenizer is not None else None
         return Request(index, [int(t) for t in prompt], p, frozenset(stop_ids),
                        min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k),
-                       request_id, matcher=matcher, detokenizer=detokenizer, arrival=self.clock())
-
-    def admission_due(self) -> bool:
-        """Whether waiting requests may join now (so that requests arriving close together share one prefill
-        step, which runs without a CUDA graph): at once when they fill every free slot; while nothing decodes, once
-        none has arrived for ``admission_window_ms`` (:meth:`idle_wait`); while requests decode, once the oldest
-        has waited ``scheduler_delay_factor`` times the last prefill step (each prefill step costs the running
-        streams a step)."""
-        if len(self.waiting) >= self.runner.max_batch_size - len(self.running):
-            return True
-        if not self.running:
-            return self.idle_wait() == 0.0
-        return self.clock() - self.waiting[0].arrival >= self.delay_factor * self.prefill_seconds
+                       request_id, matcher=matcher, detokenizer=detokenizer, arrival=self.admission.clock())
 
     def idle_wait(self) -> float:
-        """Seconds the engine's thread may sleep before waiting requests start, while nothing decodes: until none
-        has arrived for the admission window and none is announced (on its way: a server reading it), at most
-        ADMISSION_WINDOW_CAP windows after the first (0: now)."""
-        if self.running or not self.waiting or len(self.waiting) >= self.runner.max_batch_size:
-            return 0.0
-        now = self.clock()
-        quiet = self.waiting[-1].arrival + self.admission_window - now
-        if self.num_incoming() > 0:
-            quiet = max(quiet, self.admission_window)  # look again after a window (or when a message comes)
-        cap = self.waiting[0].arrival + ADMISSION_WINDOW_CAP * self.admission_window - now
-        return max(0.0, min(quiet, cap))
+        """Seconds the engine's thread may sleep before waiting requests start (AdmissionPolicy.idle_wait)."""
+        return self.admission.idle_wait(self.waiting, self.running)
 
     def _admit(self) -> list[Request]:
-        """Move waiting requests in (FIFO) while batch slots and KV pages last, once :meth:`admission_due`."""
+        """Move waiting requests in (FIFO) while batch slots and KV pages last, once they are due
+        (:class:`AdmissionPolicy`)."""
         admitted: list[Request] = []
-        if not self.waiting or not self.admission_due():
+        if not self.waiting or not self.admission.due(self.waiting, self.running):
             return admitted
         while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size:
             r = self.waiting[0]
@@ -331,7 +308,7 @@ class Engine:
             r.accept(row[:n], logprobs.of(b, n, wanted) if wanted is not None else None)
         done = time.perf_counter()
         if step.has_context:
-            self.prefill_seconds = done - step.start
+            self.admission.prefill_seconds = done - step.start
         if not step.has_context and any(live):  # a chained step's time runs from the previous step's end
             began = self._last_done if step.chained else step.start
             self.timer.record(done - began, step.host_seconds + (done - waited), sum(live))

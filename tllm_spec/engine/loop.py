@@ -35,7 +35,7 @@ class EngineLoop:
         self._incoming = 0  # requests announced (on their way: being read, checked) and not yet submitted
         engine.on_output = self._on_output
         engine.should_yield = lambda: not self._inbox.empty()
-        engine.num_incoming = lambda: self._incoming
+        engine.admission.num_incoming = lambda: self._incoming
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Deliver, request_id: str | None = None,
                index: int = 0) -> str:

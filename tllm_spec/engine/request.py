@@ -140,7 +140,7 @@ class Request:
     num_emitted: int = 0  # output tokens already handed out as StreamOutputs
     logprobs: list[float] | None = None  # per output token (SamplingParams.logprobs set): its logprob
     top_logprobs: list[dict[int, float]] | None = None  # per output token: the top N {token id: logprob}
-    arrival: float = 0.0  # when the engine queued it (Engine.clock)
+    arrival: float = 0.0  # when the engine queued it (AdmissionPolicy.clock)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

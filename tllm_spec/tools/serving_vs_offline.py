@@ -100,12 +100,12 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     result: dict = {"shape": shape, "forced": forced, "device": gpu, "input_len": input_len, "output_len": output_len,
                     "points": []}
     server, url = serve_in_thread(model, shape)
-    factors = delay_factors or [model.engine.delay_factor]
+    factors = delay_factors or [model.engine.admission.delay_factor]
     for c in concurrencies:
         prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
         ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
         for factor in factors:
-            model.loop.call(lambda f=factor: setattr(model.engine, "delay_factor", f))
+            model.loop.call(lambda f=factor: setattr(model.engine.admission, "delay_factor", f))
             bench_serve(url, c, c, input_len, output_len, vocab, out_dir, "warmup")  # first-time costs, not timed
             report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir,
                                  f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}")

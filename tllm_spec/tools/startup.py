@@ -15,17 +15,17 @@ import time
 
 START = time.time()  # this module's start (the package, torch among its imports, was imported before it)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from ..caches import CACHE_DIR_VAR, CACHE_VARS  # noqa: E402
+from ..caches import CACHE_DIR_VAR, CACHE_VARS
 
 
 def num_compiled_graphs() -> int:
@@ -107,7 +107,8 @@ def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tes
         env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
         env[CACHE_DIR_VAR] = str(cache_dir)
         began = time.time()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], env=env, timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], env=env, timeout=timeout_s,
+                              check=False)
         result["gpu_test_suite_s"], result["gpu_test_suite_rc"] = time.time() - began, done.returncode
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
