@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import signal
 import threading
 import time
 
@@ -122,7 +123,16 @@ def test_a_failing_step_frees_pages_raises_and_the_next_call_works(demo, monkeyp
         == ["length"] * 4
 
 
-def test_ctrl_c_in_generate_returns_the_pages(demo):
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler for the test, whatever the process inherited: a shell's background job starts
+    with SIGINT ignored, and then interrupt_main does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_generate_returns_the_pages(demo, python_ctrl_c):
     baseline = free_state(demo)
     timer = threading.Timer(0.3, _thread.interrupt_main)
     timer.start()
