@@ -134,6 +134,24 @@ class TreeTensors:
     def num_nodes(self) -> int:
         return self.parents.shape[0] - 1
 
+    def relative_masks(self) -> torch.Tensor:
+        """[N+1] int64: each tree token's visibility as paged attention takes it (``tree_mask``): bit j lets the
+        token at cache row base + i see the row j below its own, i.e. its ancestors (i - a), itself (0) and
+        everything below the root (j > i). Needs N + 1 <= TREE_WINDOW."""
+        from ..kernels.paged_attention import TREE_WINDOW
+
+        size = self.num_nodes + 1
+        if size > TREE_WINDOW:
+            raise ValueError(f"a tree of {self.num_nodes} drafts does not fit the {TREE_WINDOW}-row tree mask")
+        nodes = torch.arange(size, device=self.ancestors.device)
+        offsets = torch.arange(TREE_WINDOW, device=self.ancestors.device)
+        ancestor_offsets = nodes[:, None] - nodes[None, :]  # [i, a] -> i - a
+        bits = torch.zeros(size, TREE_WINDOW, dtype=torch.int64, device=self.ancestors.device)
+        rows, cols = self.ancestors.nonzero(as_tuple=True)
+        bits[rows, ancestor_offsets[rows, cols]] = 1
+        bits[offsets[None, :] > nodes[:, None]] = 1  # below the root: the committed context
+        return (bits << offsets).sum(dim=1)
+
     def attention_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool: tree token i (the root first) may attend to tree token j (besides the committed
         context): j is on i's path."""

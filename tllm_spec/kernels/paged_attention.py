@@ -25,6 +25,7 @@ from .kv_write import kv_write_ref
 MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this costs more in merging than it saves
 MAX_KEYS_PER_SPLIT = 2048
 BLOCK_N = 128
+TREE_WINDOW = 63  # a tree token's mask covers the 63 positions up to its own (the int64's non-sign bits)
 NUM_STAGES = 3  # key blocks in flight per program (software pipelining of the key loop)
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
@@ -42,7 +43,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
                         scale: float, max_kv_len: int, sliding_window: int | None = None, query_len: int = 1,
                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle).
 
     q [T, Hq, D] (dense heads; its tokens may have a stride); k_cache, v_cache [num_pages, page_size, Hkv, D];
@@ -51,7 +52,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     positions are masked;
     query_len: runs of this many consecutive tokens share a slot (their pages are gathered once);
     new_kv: this forward's (k, v) [T, Hkv, D], written into the cache first;
-    num_splits: how the kernel divides the keys (no effect on the result; ignored here).
+    num_splits: how the kernel divides the keys (no effect on the result; ignored here);
+    tree_mask: [T] int64 or None, a draft tree's visibility (:func:`tree_visible`): bit j of token t's entry
+    lets it see the key j positions below its own; keys TREE_WINDOW or more below are always visible.
     Returns [T, Hq, D] in q's dtype, softmax in fp32.
     """
     if new_kv is not None:
@@ -74,6 +77,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = torch.einsum("rthgd,rshd->rthgs", qg, k) * scale
         pos = positions[rows].view(-1, run, 1)
         visible = key_pos <= pos  # [runs, run, num_keys]
+        if tree_mask is not None:
+            visible &= tree_visible(pos - key_pos, tree_mask[rows].view(-1, run, 1))
         if sliding_window is not None:
             visible &= key_pos > pos - sliding_window
         probs = scores.masked_fill(~visible[:, :, None, None, :], float("-inf")).softmax(-1)
@@ -82,11 +87,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def tree_visible(offsets: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+    """Which keys a tree token sees among those not above it: offsets (its position minus the key's, >= 0 where
+    it matters) below TREE_WINDOW by the bits of its tree_mask (bit j: offset j), the rest always. Broadcasts."""
+    in_window = (offsets >= 0) & (offsets < TREE_WINDOW)
+    bits = (tree_mask >> offsets.clamp(0, TREE_WINDOW - 1)) & 1
+    return ~in_window | (bits == 1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
                     sliding_window: int | None = None, query_len: int = 1,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference.
 
     ``query_len``: consecutive query tokens that belong to one request (K+1 in a verify step, 1 in a draft
@@ -95,10 +108,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``new_kv``: this forward's (k, v) [N, Hkv, D], written into the cache by the same program before it
     attends (one launch instead of two). Only valid when each run holds ALL of its request's new tokens.
     ``num_splits``: KV splits per run (None: :func:`choose_num_splits`; 1: the unsplit kernel).
+    ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`); the reference only, for now.
     """
     if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                                   sliding_window, query_len, new_kv, num_splits)
+                                   sliding_window, query_len, new_kv, num_splits, tree_mask)
+    if tree_mask is not None:
+        raise NotImplementedError("draft-tree masks run on the reference path only: the kernel has no tree mask yet")
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads must be dense (its tokens may have a stride)"

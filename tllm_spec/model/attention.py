@@ -35,6 +35,8 @@ class AttentionMetadata:
     ``max_kv_len``, a bound on positions + 1 (limits the reference's work);
     ``tokens_per_request``, how many consecutive non-context tokens share a request (K+1 in a step's verify
     rows, 1 in a draft pass): the GPU kernel reads each request's K/V once for all of them.
+    A draft tree's tokens (``tree_mask`` set) sit at consecutive cache rows (``positions``) but are rotated by
+    their depth (``rope_positions``) and see only their own path (the reference path only, for now).
     """
 
     kv_cache: KVCache
@@ -45,6 +47,14 @@ class AttentionMetadata:
     write_slots: torch.Tensor | None = None
     tokens_per_request: int = 1
     context_starts: tuple[int, ...] = ()
+    rope_positions: torch.Tensor | None = None  # [N] RoPE position per token where it differs from its cache row
+    tree_mask: torch.Tensor | None = None  # [N] int64: a draft tree's visibility per token (paged_attention_ref)
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """The positions RoPE rotates by: ``positions`` (each token's cache row), or a draft tree's own (nodes of
+        one depth share a position but not a row)."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     @classmethod
     def build(cls, kv_cache: KVCache, token_slots: torch.Tensor, positions: torch.Tensor, max_kv_len: int,
@@ -82,6 +92,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # the kernel takes dense heads (its tokens may have a stride: a slice of qkv)
+    if meta.tree_mask is not None:
+        kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
+        return paged_attention(q, k_cache, v_cache, cache.block_tables, meta.token_slots, meta.positions, scale,
+                               meta.max_kv_len, sliding_window, meta.tokens_per_request, tree_mask=meta.tree_mask)
     if num_ctx == 0 or not q.is_cuda:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens

@@ -57,7 +57,7 @@ class FusedDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [T] int64 -> (final-normed hidden [T, H], outputs of the capture layers, each [T, H])."""
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(attn.positions)
+        rope = self.rotary(attn.rotary_positions)
         captured = {}
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, attn)

@@ -154,7 +154,7 @@ class TargetModel(nn.Module):
             use_compiled = self._fused_compiled is not None and not attn.context_lens
             hidden, captured = (self._fused_compiled if use_compiled else self.fused)(input_ids, attn)
         else:
-            out = self.decoder(input_ids=input_ids[None], position_ids=attn.positions[None], use_cache=False,
+            out = self.decoder(input_ids=input_ids[None], position_ids=attn.rotary_positions[None], use_cache=False,
                                tllm_attn=attn)
             hidden, captured = out.last_hidden_state[0], [self._captured[i][0] for i in self._capture_ids]
         return hidden, torch.cat(captured, dim=-1) if captured else None

@@ -1,0 +1,85 @@
+"""Tree attention through the real target (reference path): after a prompt, one forward over a draft tree's root
+and nodes (each node at cache row base + index, rotated by base + depth, seeing only its path) gives every node
+the logits the target's own HF forward gives the prompt followed by that node's path; and after the accepted
+path's K/V is moved into place, a plain next step decodes as if the path had been decoded one token at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tllm_spec.drafts.tree import DraftTree, compact_path_kv
+from tllm_spec.model.attention import AttentionMetadata
+from tllm_spec.spec_model import SpecModel
+
+from ..models import hf_model, tiny_pair
+
+CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+PROMPT = [5, 17, 33, 2, 71, 8, 40, 3, 19, 60, 11]  # 11 tokens: the tree crosses a 16-token page
+
+
+def forward(model: SpecModel, slot: int, ids: list[int], rows: list[int], rope=None, mask=None) -> torch.Tensor:
+    """The target over ``ids`` at cache ``rows`` of ``slot`` -> logits [len(ids), V]."""
+    runner = model.runner
+    n = len(ids)
+    context = rope is None and rows[0] == 0
+    attn = AttentionMetadata.build(runner.kv_cache, torch.full((n,), slot), torch.tensor(rows), max(rows) + 1,
+                                   context_lens=(n,) if context else (), tokens_per_request=1 if context else n)
+    if rope is not None:
+        attn = AttentionMetadata(**{**vars(attn), "rope_positions": torch.tensor(rope), "tree_mask": mask})
+    with torch.inference_mode():
+        hidden, _ = runner.target(torch.tensor(ids), attn)
+        return runner.target.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "stock"])
+def test_a_tree_forward_equals_each_paths_own_forward(fused):
+    target, _ = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, None, dtype="float32", device="cpu", max_batch_size=1,
+                                      use_fused_layers=fused)
+    tree = DraftTree.from_choices(CHOICES)
+    tensors = tree.tensors()
+    slot = model.runner.kv_cache.allocate(64)
+    forward(model, slot, PROMPT, list(range(len(PROMPT))))
+    gen = torch.Generator().manual_seed(0)
+    tokens = [29] + torch.randint(0, 97, (tree.num_nodes,), generator=gen).tolist()  # root, then the drafts
+    base = len(PROMPT)
+    logits = forward(model, slot, tokens, [base + i for i in range(tree.num_nodes + 1)],
+                     rope=[base + d for d in tree.depths], mask=tensors.relative_masks())
+    hf = hf_model(target)
+    for node, path in enumerate(tree.paths()):
+        sequence = PROMPT + [tokens[i] for i in path]
+        with torch.no_grad():
+            expected = hf(torch.tensor([sequence])).logits[0, -1]
+        torch.testing.assert_close(logits[node], expected, atol=2e-4, rtol=2e-4)
+
+    # accept the path to node 7 ((0, 1, 0)): move its K/V into place, then decode on from it as a chain
+    path = tensors.paths[7]
+    num = int(tensors.depths[7]) + 1
+    kv = model.runner.kv_cache
+    for k_cache, v_cache in zip(kv.k, kv.v):
+        compact_path_kv(k_cache, v_cache, kv.block_tables, torch.tensor([slot]), torch.tensor([base]), path[None],
+                        torch.tensor([num]))
+    accepted = [tokens[i] for i in path[:num].tolist()]
+    step = forward(model, slot, [13, 44], [base + num, base + num + 1])
+    sequence = PROMPT + accepted + [13, 44]
+    with torch.no_grad():
+        expected = hf(torch.tensor([sequence])).logits[0, -2:]
+    torch.testing.assert_close(step, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_a_chains_mask_is_causal_attention():
+    """A chain's relative masks change nothing: the same logits as the plain causal forward."""
+    target, _ = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, None, dtype="float32", device="cpu", max_batch_size=1)
+    slot = model.runner.kv_cache.allocate(64)
+    forward(model, slot, PROMPT, list(range(len(PROMPT))))
+    base, ids = len(PROMPT), [29, 4, 50, 7]
+    rows = [base + i for i in range(4)]
+    masked = forward(model, slot, ids, rows, rope=rows, mask=DraftTree.chain(3).tensors().relative_masks())
+    plain = forward(model, slot, ids, rows)
+    torch.testing.assert_close(masked, plain, atol=0, rtol=0)
+
+
+def test_a_tree_too_big_for_the_mask_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        DraftTree.from_choices([[i] for i in range(63)]).tensors().relative_masks()
