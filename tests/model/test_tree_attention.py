@@ -83,3 +83,41 @@ def test_a_chains_mask_is_causal_attention():
 def test_a_tree_too_big_for_the_mask_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         DraftTree.from_choices([[i] for i in range(63)]).tensors().relative_masks()
+
+
+def test_the_eagle3_heads_tree_pass_equals_each_paths_own_pass():
+    """The draft head over a tree (its first pass over a verify step's tokens takes the same metadata): every
+    node's output equals the head's chain pass over the node's path."""
+    from tllm_spec import Eagle3Config
+
+    target, head = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=4),
+                                      dtype="float32", device="cpu", max_batch_size=2)
+    draft, kv = model.worker.draft_model, model.runner.kv_cache
+    tree = DraftTree.from_choices(CHOICES)
+    tensors = tree.tensors()
+    gen = torch.Generator().manual_seed(1)
+    width = draft.fc.in_features
+    prompt_features = torch.randn(len(PROMPT), width, generator=gen)
+    nodes = tree.num_nodes + 1
+    tokens = torch.randint(0, 97, (nodes,), generator=gen)
+    features = torch.randn(nodes, width, generator=gen)
+    base = len(PROMPT)
+
+    def run(slot, ids, feats, rows, rope=None, mask=None, context=False):
+        n = len(rows)
+        attn = AttentionMetadata.build(kv, torch.full((n,), slot), torch.tensor(rows), max(rows) + 1,
+                                       context_lens=(n,) if context else (), tokens_per_request=1 if context else n)
+        if rope is not None:
+            attn = AttentionMetadata(**{**vars(attn), "rope_positions": torch.tensor(rope), "tree_mask": mask})
+        with torch.inference_mode():
+            return draft(ids, feats, attn)
+
+    tree_slot, chain_slot = kv.allocate(64), kv.allocate(64)
+    for slot in (tree_slot, chain_slot):  # the prompt's draft K/V, the same in both
+        run(slot, torch.tensor(PROMPT[1:] + [int(tokens[0])]), prompt_features, list(range(base)), context=True)
+    out = run(tree_slot, tokens, features, [base + i for i in range(nodes)], rope=[base + d for d in tree.depths],
+              mask=tensors.relative_masks())
+    for node, path in enumerate(tree.paths()):
+        chain = run(chain_slot, tokens[path], features[path], [base + j for j in range(len(path))])
+        torch.testing.assert_close(out[node], chain[-1], atol=1e-5, rtol=1e-5)

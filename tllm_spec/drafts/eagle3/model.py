@@ -134,7 +134,7 @@ class Eagle3DraftModel(nn.Module):
         if hidden.shape[-1] == self.fc.in_features:  # first pass: fuse the target's features
             hidden = linear(hidden.to(self.fc.weight.dtype), self.fc)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, self._rope(hidden, attn.positions), attn)
+        return self.midlayer(embeds, hidden, self._rope(hidden, attn.rotary_positions), attn)
 
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [N, 1, D] of the draft's own RoPE."""
