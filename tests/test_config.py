@@ -120,12 +120,3 @@ def test_eagle3_tree_fields_follow_tensorrt_llm():
 def test_bad_tree_configs_are_refused(kwargs, message):
     with pytest.raises(ValidationError, match=message):
         Eagle3Config(speculative_model="x", **kwargs)
-
-
-def test_a_branching_tree_is_refused_at_load_with_a_clear_error():
-    from tests.models import tiny_pair
-    target, head = tiny_pair("llama")
-    from tllm_spec import SpecModel
-    with pytest.raises(ValueError, match="tree drafting"):
-        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=2,
-                                                       eagle_choices=TREE))

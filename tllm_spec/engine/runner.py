@@ -132,6 +132,8 @@ class ModelRunner:
         Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
         if self.worker.guided_decoder is not None:
             return None
+        if getattr(self.worker, "tree_step", None) is not None:
+            return "guided decoding with a draft tree is not available yet (draft a chain)"
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         try:
             compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
@@ -182,6 +184,9 @@ class ModelRunner:
                                        torch.tensor(positions, device=device),
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
                                        tokens_per_request=k + 1, context_starts=context_starts)
+        tree_step = getattr(self.worker, "tree_step", None)
+        if tree_step is not None:
+            attn = tree_step.verify_metadata(attn, sum(context_lens), num_gen)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
         return self.model.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
 

@@ -95,7 +95,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     if meta.tree_mask is not None:
         kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
         return paged_attention(q, k_cache, v_cache, cache.block_tables, meta.token_slots, meta.positions, scale,
-                               meta.max_kv_len, sliding_window, meta.tokens_per_request, tree_mask=meta.tree_mask)
+                               meta.max_kv_len, sliding_window, meta.tokens_per_request if num_ctx == 0 else 1,
+                               tree_mask=meta.tree_mask)
     if num_ctx == 0 or not q.is_cuda:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens

@@ -8,8 +8,10 @@ from ...model.attention import AttentionMetadata
 from ...model.target import TargetModel
 from ..base import SpecWorkerBase
 from ..metadata import SpecMetadata
+from ..tree import DraftTree
 from .checkpoint import load_eagle3_checkpoint
 from .model import Eagle3DraftModel, resolve_capture_layers
+from .tree_step import TreeStep
 
 
 class Eagle3OneModelWorker(SpecWorkerBase):
@@ -33,9 +35,16 @@ class Eagle3OneModelWorker(SpecWorkerBase):
     """
 
     def __init__(self, max_draft_len: int, draft_model: Eagle3DraftModel, use_flashinfer: bool = True,
-                 use_rejection_sampling: bool = False):
-        super().__init__(max_draft_len, use_flashinfer, use_rejection_sampling)
+                 use_rejection_sampling: bool = False, tree: DraftTree | None = None):
+        super().__init__(tree.num_nodes if tree is not None else max_draft_len, use_flashinfer,
+                         use_rejection_sampling)
         self.draft_model = draft_model
+        self.tree_step = TreeStep(tree) if tree is not None else None  # a static tree: N drafts a step
+
+    def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        super().allocate_state(num_slots, vocab_size, device)
+        if self.tree_step is not None:
+            self.tree_step.to(device)
 
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return [self.draft_model.kv_shape]
@@ -55,11 +64,22 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
         first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
-        new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
-                                                      target_logits, attn.token_slots[first_tokens])
+        paths = None
+        if self.tree_step is not None:
+            new_tokens, num_accepted, paths = self.tree_step.accept(
+                target_tokens, draft_tokens, num_contexts, spec_metadata, self.forced_value if self.forcing else None)
+        else:
+            new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
+                                                          target_logits, attn.token_slots[first_tokens])
         self._add_guided_draft_batch_if_present(num_accepted)
-        next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, spec_metadata), target_features,
-                                       num_accepted, attn, spec_metadata)
+        if paths is None:
+            next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, spec_metadata), target_features,
+                                           num_accepted, attn, spec_metadata)
+        else:  # each row pairs with the target's token there (a tree's rows are not its accepted path)
+            row_tokens = spec_metadata.with_next_prompt_tokens(
+                torch.cat([new_tokens[:num_contexts, 0], target_tokens[num_contexts:]]), 0)
+            next_draft_tokens = self.draft_tree(input_ids, row_tokens, target_features, num_accepted, paths, attn,
+                                                spec_metadata)
         return {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,
@@ -74,9 +94,7 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         steps attend.
 
         row_tokens [R]: the emitted token after each sampling row. Returns [B, k'] int64."""
-        gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
-        draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
-        hidden = self.draft_model(draft_ids, target_features, attn)
+        hidden, gather_ids = self._first_pass(input_ids, row_tokens, target_features, attn, spec_metadata)
         last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
         if spec_metadata.next_draft_len == 0:
             return last.new_zeros(last.shape[0], 0)
@@ -88,6 +106,30 @@ class Eagle3OneModelWorker(SpecWorkerBase):
             drafts.append(self._propose(hidden, step, slots, spec_metadata))
         return torch.stack(drafts, dim=1)
 
+    def _first_pass(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
+                    attn: AttentionMetadata, spec_metadata: SpecMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over every token of the step (each paired with the token after it) -> (hidden [T, H], the
+        step's gather ids [R])."""
+        gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
+        draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
+        return self.draft_model(draft_ids, target_features, attn), gather_ids
+
+    def draft_tree(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
+                   num_accepted: torch.Tensor, paths: torch.Tensor, attn: AttentionMetadata,
+                   spec_metadata: SpecMetadata) -> torch.Tensor:
+        """A tree step's drafting: the first pass over the step's tokens (tree rows, tree mask), the accepted
+        paths' K/V into place, then the next tree from each request's last accepted token (its row: root + n - 1
+        once compacted). paths [B, D+1]: each request's accepted path. Returns [B, N] int64."""
+        hidden, gather_ids = self._first_pass(input_ids, row_tokens, target_features, attn, spec_metadata)
+        first = spec_metadata.first_rows()
+        roots = gather_ids[first]  # flat index of each request's first token (a prompt's: its last)
+        last = gather_ids[first + paths.gather(1, (num_accepted - 1)[:, None])[:, 0]]
+        num_ctx = spec_metadata.num_context_requests
+        if spec_metadata.num_generation_requests:
+            self.tree_step.compact(attn.kv_cache, attn, roots[num_ctx:], paths[num_ctx:], num_accepted[num_ctx:])
+        position = attn.positions[roots] + num_accepted - 1
+        return self.tree_step.draft(self.draft_model, hidden[last], position, attn.token_slots[last], attn)
+
     def _propose(self, hidden: torch.Tensor, step: int, slots: torch.Tensor, spec_metadata: SpecMetadata
                  ) -> torch.Tensor:
         logits = self.draft_model.compute_logits(hidden)
@@ -98,13 +140,22 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
     """The worker for ``cfg``: the head from ``cfg.speculative_model``, fed the target layers it was trained on
     (which this call makes the target capture). ``max_batch_size`` is unused: the head keeps no per-request
     state beyond the KV cache (the same signature as the MTP build function)."""
-    if cfg.is_spec_dec_tree:
-        raise ValueError("tree drafting (eagle_choices with branches, use_dynamic_tree) is not available in this "
-                         "version: draft a chain (max_draft_len, or eagle_choices of one branch)")
+    if cfg.use_dynamic_tree:
+        raise ValueError("use_dynamic_tree: dynamic draft trees are not available yet (static eagle_choices are)")
+    tree = cfg.draft_tree if cfg.is_spec_dec_tree else None
+    if tree is not None and (cfg.use_rejection_sampling or cfg.draft_len_schedule):
+        raise ValueError("a draft tree verifies strictly (lossless at any temperature) and drafts a fixed tree: "
+                         "use_rejection_sampling and draft_len_schedule apply to chains only")
+    if tree is not None and target.lm_head.weight.is_cuda:
+        raise ValueError("draft trees run on the CPU (reference attention) for now: the GPU attention kernel has "
+                         "no tree mask yet")
+    if tree is not None:
+        tree.tensors().relative_masks()  # a tree too big for the attention mask is refused here
     ckpt = load_eagle3_checkpoint(cfg.speculative_model, target_hidden_size=target.hidden_size,
                                   target_vocab_size=target.vocab_size)
     target.capture_layers(resolve_capture_layers(cfg.eagle3_layers_to_capture, ckpt.config.aux_layer_ids,
                                                  target.num_layers))
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
     draft = Eagle3DraftModel.from_checkpoint(ckpt, target.num_layers, target.decoder.embed_tokens, dtype, device)
-    return Eagle3OneModelWorker(cfg.max_draft_len, draft, use_rejection_sampling=cfg.use_rejection_sampling)
+    return Eagle3OneModelWorker(cfg.max_draft_len, draft, use_rejection_sampling=cfg.use_rejection_sampling,
+                                tree=tree)

@@ -1,0 +1,94 @@
+"""Static draft trees in the one-model step (EAGLE-3, ``eagle_choices``; the CPU reference path): greedy output
+equals the target's own greedy decode (the demo pair, batched, with chunked prompts), a tree accepts more per step
+than the chain of its depth, seeded sampled requests are reproducible, forced acceptance follows the most likely
+children, and what a tree cannot do yet is refused with a clear error."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+from pydantic import ValidationError
+
+from tllm_spec import Eagle3Config, SamplingParams, SpecModel
+
+from ..models import tiny_pair
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in ", "class Stack:\n    def __init__(self):\n"]
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0],
+        [0, 0, 0, 1], [0, 0, 1, 0]]
+
+
+@functools.cache
+def demo(choices: tuple | None, depth: int, **engine) -> SpecModel:
+    spec = None if depth == 0 else Eagle3Config(
+        speculative_model="demo://eagle3", max_draft_len=depth,
+        eagle_choices=[list(c) for c in choices] if choices else None)
+    return SpecModel.from_pretrained("demo://target", spec, dtype="float32", device="cpu", max_batch_size=4, **engine)
+
+
+def tree_model(**engine) -> SpecModel:
+    return demo(tuple(tuple(c) for c in TREE), 4, **engine)
+
+
+def test_greedy_tree_output_is_the_targets_own_and_accepts_more_than_a_chain():
+    params = SamplingParams(max_new_tokens=48)
+    plain = demo(None, 0).generate(PROMPTS, params)
+    tree = tree_model(max_num_batched_tokens=6).generate(PROMPTS, params)  # prompts prefilled in chunks of 6
+    chain = demo(None, 4).generate(PROMPTS, params)
+    assert [o.token_ids for o in tree] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in chain] == [o.token_ids for o in plain]
+    assert tree.stats["mean_accepted_length"] > chain.stats["mean_accepted_length"] * 1.1
+    assert max(max(o.stats.accepted_per_step) for o in tree) == 5  # whole paths to depth 4 were accepted
+
+
+def test_seeded_sampled_tree_requests_are_reproducible():
+    params = [SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(4)]
+    model = tree_model()
+    first, second = model.generate(PROMPTS, params), model.generate(PROMPTS[::-1], params[::-1])
+    assert [o.token_ids for o in first] == [o.token_ids for o in second][::-1]  # batch order does not matter
+    assert len({tuple(o.token_ids) for o in first}) == 4
+
+
+def test_forced_acceptance_follows_the_most_likely_children(monkeypatch):
+    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", "2")
+    model = tree_model()
+    model.runner.refresh_forced_acceptance()
+    try:
+        outs = model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=31, ignore_eos=True))
+    finally:
+        monkeypatch.delenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS")
+        model.runner.refresh_forced_acceptance()
+    assert all(set(o.stats.accepted_per_step[:-1]) == {3} for o in outs)  # the last step is cut by max tokens
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"use_rejection_sampling": True}, "chains only"),
+    ({"draft_len_schedule": {1: 2, 4: 1}}, "chains only"),
+])
+def test_what_a_tree_cannot_do_yet_is_refused(extra, message):
+    target, head = tiny_pair("llama")
+    with pytest.raises(ValueError, match=message):
+        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=2,
+                                                       eagle_choices=[[0], [1], [0, 0]], **extra))
+
+
+def test_dynamic_trees_are_refused_at_load():
+    target, head = tiny_pair("llama")
+    with pytest.raises(ValueError, match="dynamic draft trees"):
+        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=3,
+                                                       use_dynamic_tree=True, dynamic_tree_max_topK=2,
+                                                       max_total_draft_tokens=6))
+
+
+def test_a_tree_too_big_for_the_mask_is_refused_at_load():
+    target, head = tiny_pair("llama")
+    with pytest.raises((ValueError, ValidationError), match="does not fit"):
+        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=1,
+                                                       eagle_choices=[[i] for i in range(63)]))
+
+
+def test_guided_decoding_with_a_tree_is_refused_per_request():
+    model = tree_model()
+    with pytest.warns(UserWarning, match="draft tree"):
+        out = model.generate(["{"], SamplingParams(max_new_tokens=4, guided_decoding={"regex": "[a-z]+"}))[0]
+    assert out.finish_reason == "rejected" and "draft tree" in out.error

@@ -1,0 +1,129 @@
+"""The EAGLE-3 worker's static-tree step (``Eagle3Config(eagle_choices=...)``): verify a tree of N drafts, move the
+accepted path's K/V into place, and draft the next tree with one head pass per depth.
+
+Layout: a generation request's run is its last accepted token (the root) and the N nodes in breadth-first order
+(:mod:`..tree`), at cache rows base .. base + N, rotated by base + depth, each seeing its own path
+(``AttentionMetadata.rope_positions`` / ``tree_mask``, set by the runner). Acceptance: the deepest path whose
+drafts equal the target's token at their parents (:func:`tree_greedy_accept`), which is lossless at any
+temperature (each node's token is the target's own draw given its path; a child is followed only when it is that
+draw). Drafting: the children of a node are its head distribution's top tokens by rank; depth d's nodes with
+children go through the head together, at rows base' + index, rotated by base' + d.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...model.attention import AttentionMetadata
+from ...model.kv_cache import KVCache
+from ...sampling.forcing import forced_num_accepted
+from ..metadata import SpecMetadata
+from ..tree import (
+    DraftTree,
+    TreeTensors,
+    compact_path_kv,
+    forced_tree_path,
+    tree_children,
+    tree_greedy_accept,
+)
+
+ALL_VISIBLE = (1 << 63) - 1  # a tree mask that hides nothing (a prompt token's or a chain's)
+
+
+class TreeStep:
+    """A static tree on one device: its structure tensors and the per-token masks of a verify run."""
+
+    def __init__(self, tree: DraftTree, device: torch.device | str = "cpu"):
+        self.tree = tree
+        self.to(device)
+
+    def to(self, device: torch.device | str) -> TreeStep:
+        self.tensors: TreeTensors = self.tree.tensors(device)
+        self.masks = self.tensors.relative_masks()  # [N+1] int64
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    def verify_metadata(self, attn: AttentionMetadata, num_context_tokens: int, num_generation: int
+                        ) -> AttentionMetadata:
+        """``attn`` of a step whose generation runs are trees: their tokens rotated by root + depth and masked to
+        their paths (prompt tokens unchanged)."""
+        if not num_generation:
+            return attn
+        runs = attn.positions[num_context_tokens:].view(num_generation, self.num_nodes + 1)
+        rope = torch.cat([attn.positions[:num_context_tokens], (runs[:, :1] + self.tensors.depths).flatten()])
+        masks = torch.cat([torch.full((num_context_tokens,), ALL_VISIBLE, dtype=torch.int64, device=rope.device),
+                           self.masks.repeat(num_generation)])
+        return AttentionMetadata(**{**vars(attn), "rope_positions": rope, "tree_mask": masks})
+
+    def accept(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
+               spec_metadata: SpecMetadata, forced: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(new_tokens [B, N+1] (the accepted path's tokens first), num_accepted [B], paths [B, D+1] (node indices
+        of each request's accepted path; a prompt's: the root)). ``forced``: the forced count (a 0-dim tensor),
+        taken along the most likely children."""
+        num_gen, n = draft_tokens.shape
+        gen_targets = target_tokens[num_contexts:].view(num_gen, n + 1)
+        num, path, tokens = tree_greedy_accept(self.tensors, draft_tokens, gen_targets)
+        if forced is not None:
+            path = forced_tree_path(self.tensors, forced_num_accepted(forced, n, num_gen, spec_metadata.seed,
+                                                                      spec_metadata.offset))
+            num, tokens = self.tensors.depths[path[:, -1]] + 1, gen_targets.gather(1, path)
+        device = target_tokens.device
+        ctx_tokens = torch.zeros(num_contexts, n + 1, dtype=torch.int64, device=device)
+        ctx_tokens[:, 0] = target_tokens[:num_contexts]
+        new_tokens = torch.cat([ctx_tokens, F.pad(tokens, (0, n + 1 - tokens.shape[1]))])
+        num_accepted = torch.cat([torch.ones(num_contexts, dtype=torch.int64, device=device), num])
+        paths = torch.cat([torch.zeros(num_contexts, path.shape[1], dtype=torch.int64, device=device), path])
+        return new_tokens, num_accepted, paths
+
+    @staticmethod
+    def compact(kv: KVCache, attn: AttentionMetadata, root_tokens: torch.Tensor, paths: torch.Tensor,
+                num_accepted: torch.Tensor) -> None:
+        """Move each generation request's accepted path into rows root .. root + n - 1, in every layer (the
+        target's and the draft's). root_tokens [G] flat index of each run's root; paths [G, D+1]; num [G]."""
+        slots, base = attn.token_slots[root_tokens], attn.positions[root_tokens]
+        for k_cache, v_cache in zip(kv.k, kv.v):
+            compact_path_kv(k_cache, v_cache, kv.block_tables, slots, base, paths, num_accepted)
+
+    def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
+              attn: AttentionMetadata) -> torch.Tensor:
+        """The next tree from each request's last accepted token: hidden [B, H] (the head's output there),
+        position [B] (its row), slots [B]. Returns the N drafts [B, N] in node order."""
+        tree = self.tree
+        children, ranks, parents = tree_children(tree), tree.ranks, tree.parents
+        num = hidden.shape[0]
+        drafts = torch.zeros(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
+        outputs = {0: hidden}
+
+        def propose(node: int) -> None:
+            kids = children[node]
+            if not kids:
+                return
+            logits = draft_model.compute_logits(outputs[node])
+            top = logits.topk(max(ranks[k] for k in kids) + 1, dim=-1).indices
+            d2t = draft_model.vocab_offsets
+            ids = top if d2t is None else top + d2t[top]
+            for kid in kids:
+                drafts[:, kid - 1] = ids[:, ranks[kid]]
+
+        propose(0)
+        for depth in range(1, tree.max_depth):
+            frontier = [n for n in tree.nodes_at_depth(depth) if children[n]]
+            if not frontier:
+                break
+            width = len(frontier)
+            index = torch.tensor(frontier, device=hidden.device)
+            rows = (position[:, None] + index).flatten()
+            meta = AttentionMetadata(attn.kv_cache, rows, slots.repeat_interleave(width), attn.max_kv_len,
+                                     tokens_per_request=width,
+                                     rope_positions=(position[:, None] + depth).expand(num, width).flatten(),
+                                     tree_mask=self.masks[index].repeat(num))
+            inputs = torch.stack([outputs[parents[n]] for n in frontier], dim=1).flatten(0, 1)
+            out = draft_model(drafts[:, index - 1].flatten(), inputs, meta).view(num, width, -1)
+            for j, node in enumerate(frontier):
+                outputs[node] = out[:, j]
+                propose(node)
+        return drafts
