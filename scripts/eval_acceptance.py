@@ -1,6 +1,7 @@
 r"""Acceptance of the draft heads on held-out prompts (T = 0 and T = 1) and tokens/s with vs without speculation.
 
     python scripts/eval_acceptance.py                         # the shipped demo pair, both heads, CPU
+    python scripts/eval_acceptance.py --tree                  # ... and the EAGLE-3 head drafting the default tree
     python scripts/eval_acceptance.py --target /models/llama --eagle3 /heads/e3 --mtp none \
         --prompts-from heldout.json --device cuda --out runs/eval
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tllm_spec.demo import resolve
+from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.tokenizer import load_tokenizer
 from tllm_spec.tools.acceptance_eval import evaluate, format_table, head_configs, heldout_texts, plot, prompt_ids
 
@@ -30,6 +32,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
+    p.add_argument("--tree", nargs="?", const="default", help="also the EAGLE-3 head drafting a static tree "
+                   "(eagle3-tree): 'default' (the batch-1 default tree) or eagle_choices as JSON")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--speed-prompts", type=int, default=4,
                    help="prompts timed for tokens/s (batch 1, T=0; 0: acceptance only)")
@@ -41,8 +45,9 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    tree = None if args.tree is None else DEFAULT_EAGLE_CHOICES if args.tree == "default" else json.loads(args.tree)
     heads = head_configs(None if args.eagle3 == "none" else args.eagle3, None if args.mtp == "none" else args.mtp,
-                         args.max_draft_len)
+                         args.max_draft_len, tree)
     texts = heldout_texts(args.prompts_from)
     prompts = prompt_ids(load_tokenizer(resolve(args.target)), texts, args.num_prompts, args.prompt_tokens)
     result = evaluate(args.target, heads, prompts, args.max_new_tokens, tuple(args.temperatures), args.device,

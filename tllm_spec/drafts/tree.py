@@ -23,6 +23,15 @@ from dataclasses import dataclass
 import torch
 
 
+# The default tree for batch 1 (25 drafts, 7 deep): the most likely chain, its first three alternatives at depth 1
+# and second-best children along it. Chosen on the demo pair's held-out prompts at T=0 (8 prompts x 64 tokens):
+# 5.71 tokens a step, against 3.23 for a chain of 3 and 4.51 for a chain of 6.
+DEFAULT_EAGLE_CHOICES = (
+    [[0] * d for d in range(1, 8)]
+    + [[1], [2], [3], [0, 1], [0, 2], [1, 0], [2, 0], [1, 1], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 2],
+       [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 0, 0, 1], [0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0, 1]])
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A static tree of ``num_nodes`` drafts (the root, node 0, not counted) up to ``max_depth`` deep.

@@ -36,6 +36,7 @@ class Engine:
         self.runner = runner
         self.kv = runner.kv_cache
         self.k = runner.max_draft_len
+        self.max_accepted_drafts = runner.max_accepted_drafts  # acceptance statistics' width (a tree's depth)
         self.max_seq_len = runner.max_seq_len
         self.max_num_batched_tokens = runner.engine_config.max_num_batched_tokens  # prompt tokens per step
         self.admission = AdmissionPolicy(runner.engine_config)
@@ -195,7 +196,7 @@ class Engine:
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.runner.eos_token_ids))
         detokenizer = Detokenizer(self.decode, p.stop) if self.tokenizer is not None else None
         return Request(index, [int(t) for t in prompt], p, frozenset(stop_ids),
-                       min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.k),
+                       min(len(prompt) + p.max_new_tokens, self.max_seq_len), AcceptanceStats(self.max_accepted_drafts),
                        request_id, matcher=matcher, detokenizer=detokenizer, arrival=self.admission.clock())
 
     def idle_wait(self) -> float:

@@ -87,6 +87,13 @@ class ModelRunner:
         return CUDAGraphRunner(self.model, self.kv_cache, self.schedule, self.max_batch_size, self._compile_whole)
 
     @property
+    def max_accepted_drafts(self) -> int:
+        """The most drafts one step can accept: max_draft_len, or a draft tree's depth (its N drafts are what a
+        step verifies, ``max_draft_len`` here)."""
+        tree_step = getattr(self.worker, "tree_step", None)
+        return tree_step.tree.max_depth if tree_step is not None else self.max_draft_len
+
+    @property
     def max_packed_columns(self) -> int:
         """Columns of the widest packed outputs a step returns (logprobs at the widest width)."""
         return packed_columns(self.max_draft_len, MAX_LOGPROBS)

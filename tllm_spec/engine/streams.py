@@ -103,7 +103,8 @@ def generate(loop: EngineLoop, prompts: Sequence[str | list[int]], sampling_para
         if error:
             warnings.warn(f"request {i} rejected: {error}", stacklevel=stacklevel)
             ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
-            outputs[i] = RequestOutput(i, ids, [], "rejected", AcceptanceStats(loop.engine.k), error=error)
+            outputs[i] = RequestOutput(i, ids, [], "rejected", AcceptanceStats(loop.engine.max_accepted_drafts),
+                                         error=error)
         else:
             accepted.append((i, ids, as_params(p)))
     start = time.perf_counter()
@@ -112,7 +113,8 @@ def generate(loop: EngineLoop, prompts: Sequence[str | list[int]], sampling_para
     for i, _, _ in accepted:  # refused by the engine thread (a grammar the backend cannot compile)
         if outputs[i].finish_reason == "rejected":
             warnings.warn(f"request {i} rejected: {outputs[i].error}", stacklevel=stacklevel)
-    return _summarise(outputs, time.perf_counter() - start, loop.timer().minus(timer_before), loop.engine.k)
+    return _summarise(outputs, time.perf_counter() - start, loop.timer().minus(timer_before),
+                      loop.engine.max_accepted_drafts)
 
 
 def _run_batch(loop: EngineLoop, accepted: list[tuple[int, list[int], SamplingParams]], seed: int, progress: bool,
