@@ -18,7 +18,14 @@ import torch
 from tllm_spec.demo import resolve
 from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.tokenizer import load_tokenizer
-from tllm_spec.tools.acceptance_eval import evaluate, format_table, head_configs, heldout_texts, plot, prompt_ids
+from tllm_spec.tools.acceptance_eval import (
+    evaluate,
+    format_table,
+    head_configs,
+    heldout_texts,
+    plot,
+    prompt_ids,
+)
 
 
 def main() -> None:

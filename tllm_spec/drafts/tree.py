@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # The default tree for batch 1 (25 drafts, 7 deep): the most likely chain, its first three alternatives at depth 1
 # and second-best children along it. Chosen on the demo pair's held-out prompts at T=0 (8 prompts x 64 tokens):
 # 5.71 tokens a step, against 3.23 for a chain of 3 and 4.51 for a chain of 6.
