@@ -35,11 +35,21 @@ def _top(prof, steps: int, device: bool, n: int = 18) -> list[str]:
     return [f"{us / 1e3:8.3f} ms x{c:<5d} {k}" for us, c, k in sorted(rows, reverse=True)[:n]]
 
 
+def timed_step(engine) -> float:
+    """One engine step, milliseconds from launch to its outputs read."""
+    _sync()
+    start = time.perf_counter()
+    engine.step()
+    _sync()
+    return (time.perf_counter() - start) * 1e3
+
+
 def on_engine(model, fn):
     """``fn(engine)`` on this thread (the engine's own thread never starts: nothing is posted to it), one step per
     ``engine.step()``, outputs dropped."""
     engine = model.engine
     engine.on_output, engine.should_yield = (lambda out: None), (lambda: True)
+    engine.admission.window = engine.admission.delay_factor = 0.0  # every added request joins the next step
     with torch.inference_mode():
         return fn(engine)
 
@@ -52,11 +62,7 @@ def time_context_steps(model, batch: int, prompt_len: int, repeats: int = 5) -> 
     def step(engine):
         for b, prompt in enumerate(prompts):
             engine.add(b, prompt, params)
-        _sync()
-        t = time.perf_counter()
-        engine.step()
-        _sync()
-        return (time.perf_counter() - t) * 1e3
+        return timed_step(engine)
 
     def measure(engine):
         step(engine)
@@ -77,21 +83,14 @@ def time_mixed_step(model, running: int, prompt_len: int, new_tokens: int = 64) 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     prompts = [[(5 * b + i) % 1000 + 1 for i in range(prompt_len)] for b in range(running + 1)]
 
-    def timed(engine) -> float:
-        _sync()
-        t = time.perf_counter()
-        engine.step()
-        _sync()
-        return (time.perf_counter() - t) * 1e3
-
     def run(engine):
         for b in range(running):
             engine.add(b, prompts[b], params)
         engine.step()  # their prefill
-        times = [timed(engine) for _ in range(6)]
+        times = [timed_step(engine) for _ in range(6)]
         engine.add(running, prompts[running], params)
-        mixed = timed(engine)
-        after = [timed(engine) for _ in range(2)]
+        mixed = timed_step(engine)
+        after = [timed_step(engine) for _ in range(2)]
         for r in list(engine.running):
             engine.abort(r.request_id)
         engine.step()
