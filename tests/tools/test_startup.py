@@ -18,6 +18,7 @@ def test_startup_report_from_two_fresh_processes(tmp_path):
         assert child["served_buckets"] == [1, 2]
     assert result["fresh_ready_s"] == result["fresh"]["ready_s"] and result["warm_ready_s"] == result["warm"]["ready_s"]
     assert result["compiles_after_ready"] == 0 and result["captures_after_ready"] == 0  # the CPU compiles nothing
+    assert result["triton_variants_after_ready"] in (0, None)
     assert result["gpu_test_suite_s"] is None
 
 
@@ -26,3 +27,10 @@ def test_mixed_batches_cycle_through_greedy_sampled_and_seeded():
     assert [(p.temperature > 0, p.seed is not None) for p in params] == \
         [(False, False), (True, False), (True, True), (False, False), (True, False)]
     assert mixed_params(4, guided=True)[3].guided_decoding is not None
+
+
+def test_triton_variants_are_counted_per_package():
+    from tllm_spec.tools.startup import num_triton_variants
+    count = num_triton_variants()
+    assert count is None or count >= 0
+    assert num_triton_variants("no_such_package") in (0, None)

@@ -7,7 +7,8 @@ under it, :mod:`tllm_spec.caches`). The child times its phases: interpreter and 
 (random weights of a named shape, an EAGLE-3 head), :meth:`SpecModel.warmup` (compiles, graph captures and
 FlashInfer's sampling build); "ready" is the end of the warm-up. It then serves a batch mixing greedy, sampled and
 seeded requests (and guided ones where llguidance is installed) at every batch bucket and counts what that
-compiled or captured: a request path that compiles shows up as ``compiles_after_ready > 0``.
+compiled or captured: a request path that compiles shows up as ``compiles_after_ready > 0`` (torch.compile) or
+``triton_variants_after_ready > 0`` (a Triton kernel specialised anew).
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ def num_compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def num_triton_variants(package: str = "tllm_spec") -> int | None:
+    """Compiled variants of ``package``'s Triton kernels held in this process (a new specialisation on a request's
+    path shows up here: a compile, or a load from the on-disk cache). None where Triton is missing or its
+    internals differ."""
+    try:
+        from triton.runtime.jit import _triton_jit_function_registry as registry
+        return sum(len(entry[0]) for fn in registry.values() if fn.module.startswith(package)
+                   for entry in fn.device_caches.values())
+    except (ImportError, AttributeError, TypeError, IndexError):
+        return None
+
+
 def mixed_params(size: int, guided: bool) -> list:
     """``size`` requests cycling through greedy, sampled, seeded sampled (and JSON-guided) parameters."""
     from ..config import SamplingParams
@@ -58,7 +71,7 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     built = time.time()
     graphs = model.warmup()
     ready = time.time()
-    compiles, captured = num_compiled_graphs(), graphs
+    compiles, captured, variants = num_compiled_graphs(), graphs, num_triton_variants()
     guided = model.runner.enable_guided_decoding() is None if model.tokenizer is not None else False
     vocab = model.target.vocab_size
     for size in batch_buckets(max_batch_size):
@@ -69,6 +82,8 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
               "graphs_at_ready": captured, "compiles_at_ready": compiles,
               "compiles_after_ready": num_compiled_graphs() - compiles,
               "captures_after_ready": (len(graph_runner.graphs) - captured) if graph_runner is not None else 0,
+              "triton_variants_at_ready": variants,
+              "triton_variants_after_ready": None if variants is None else num_triton_variants() - variants,
               "guided_served": guided, "served_buckets": batch_buckets(max_batch_size)}
     out.write_text(json.dumps(result, indent=1))
 
@@ -102,6 +117,7 @@ def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tes
               "date": time.strftime("%Y-%m-%d"), "fresh_ready_s": fresh["ready_s"], "warm_ready_s": warm["ready_s"],
               "compiles_after_ready": max(fresh["compiles_after_ready"], warm["compiles_after_ready"]),
               "captures_after_ready": max(fresh["captures_after_ready"], warm["captures_after_ready"]),
+              "triton_variants_after_ready": fresh["triton_variants_after_ready"],
               "gpu_test_suite_s": None, "gpu_test_suite_rc": None, "fresh": fresh, "warm": warm}
     if gpu_tests:
         env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
