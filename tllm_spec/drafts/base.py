@@ -126,10 +126,7 @@ class SpecWorkerBase(nn.Module, ABC):
         if self.forcing:
             num_accepted_gen = forced_num_accepted(self.forced_value, k, draft_tokens.shape[0],
                                                    spec_metadata.seed, spec_metadata.offset)
-        ctx_tokens = torch.zeros(num_contexts, k + 1, dtype=torch.int64, device=target_tokens.device)
-        ctx_tokens[:, 0] = target_tokens[:num_contexts]
-        ctx_accepted = torch.ones(num_contexts, dtype=torch.int64, device=target_tokens.device)
-        return torch.cat([ctx_tokens, gen_tokens]), torch.cat([ctx_accepted, num_accepted_gen])
+        return with_context_rows(target_tokens, num_contexts, gen_tokens, num_accepted_gen)
 
     def _rejection_sampling(self, gen_logits: torch.Tensor, draft_tokens: torch.Tensor, gen_slots: torch.Tensor,
                             strict_tokens: torch.Tensor, strict_accepted: torch.Tensor, spec_metadata: SpecMetadata
@@ -197,6 +194,15 @@ class SpecWorkerBase(nn.Module, ABC):
         """
         shifted = torch.roll(input_ids, -1)
         return shifted.index_copy(0, gather_ids, target_tokens)
+
+
+def with_context_rows(target_tokens: torch.Tensor, num_contexts: int, gen_tokens: torch.Tensor,
+                      gen_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's (new_tokens [B, W], num_accepted [B]): each context request's one sampled token (its first
+    row, the rest zero) and count 1, then the generation requests' gen_tokens [G, W] and gen_accepted [G]."""
+    ctx_tokens = target_tokens.new_zeros(num_contexts, gen_tokens.shape[1])
+    ctx_tokens[:, 0] = target_tokens[:num_contexts]
+    return torch.cat([ctx_tokens, gen_tokens]), torch.cat([gen_accepted.new_ones(num_contexts), gen_accepted])
 
 
 def strict_acceptance(gen_target_tokens: torch.Tensor, draft_tokens: torch.Tensor

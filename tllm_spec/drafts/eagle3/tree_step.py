@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ...model.attention import AttentionMetadata
 from ...model.kv_cache import KVCache
 from ...sampling.forcing import forced_num_accepted
+from ..base import with_context_rows
 from ..metadata import SpecMetadata
 from ..tree import (
     DraftTree,
@@ -40,6 +41,11 @@ class TreeStep:
     def to(self, device: torch.device | str) -> TreeStep:
         self.tensors: TreeTensors = self.tree.tensors(device)
         self.masks = self.tensors.relative_masks()  # [N+1] int64
+        children = tree_children(self.tree)
+        # per depth from 1: the nodes with children (one head pass each), as a list and on the device
+        self.frontiers = [(nodes, torch.tensor(nodes, device=device)) for nodes in
+                          ([n for n in self.tree.nodes_at_depth(d) if children[n]]
+                           for d in range(1, self.tree.max_depth))]
         return self
 
     @property
@@ -71,13 +77,9 @@ class TreeStep:
             path = forced_tree_path(self.tensors, forced_num_accepted(forced, n, num_gen, spec_metadata.seed,
                                                                       spec_metadata.offset))
             num, tokens = self.tensors.depths[path[:, -1]] + 1, gen_targets.gather(1, path)
-        device = target_tokens.device
-        ctx_tokens = torch.zeros(num_contexts, n + 1, dtype=torch.int64, device=device)
-        ctx_tokens[:, 0] = target_tokens[:num_contexts]
-        new_tokens = torch.cat([ctx_tokens, F.pad(tokens, (0, n + 1 - tokens.shape[1]))])
-        num_accepted = torch.cat([torch.ones(num_contexts, dtype=torch.int64, device=device), num])
-        paths = torch.cat([torch.zeros(num_contexts, path.shape[1], dtype=torch.int64, device=device), path])
-        return new_tokens, num_accepted, paths
+        new_tokens, num_accepted = with_context_rows(target_tokens, num_contexts,
+                                                     F.pad(tokens, (0, n + 1 - tokens.shape[1])), num)
+        return new_tokens, num_accepted, torch.cat([path.new_zeros(num_contexts, path.shape[1]), path])
 
     @staticmethod
     def compact(kv: KVCache, attn: AttentionMetadata, root_tokens: torch.Tensor, paths: torch.Tensor,
@@ -110,12 +112,10 @@ class TreeStep:
                 drafts[:, kid - 1] = ids[:, ranks[kid]]
 
         propose(0)
-        for depth in range(1, tree.max_depth):
-            frontier = [n for n in tree.nodes_at_depth(depth) if children[n]]
+        for depth, (frontier, index) in enumerate(self.frontiers, start=1):
             if not frontier:
                 break
             width = len(frontier)
-            index = torch.tensor(frontier, device=hidden.device)
             rows = (position[:, None] + index).flatten()
             meta = AttentionMetadata(attn.kv_cache, rows, slots.repeat_interleave(width), attn.max_kv_len,
                                      tokens_per_request=width,

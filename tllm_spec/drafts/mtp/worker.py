@@ -19,7 +19,7 @@ from ...config import MTPConfig
 from ...model.attention import AttentionMetadata
 from ...model.target import TargetModel
 from ...sampling.forcing import forced_num_accepted
-from ..base import SpecWorkerBase
+from ..base import SpecWorkerBase, with_context_rows
 from ..metadata import SpecMetadata
 from .checkpoint import load_mtp_checkpoint
 from .model import MTPDraftModel
@@ -92,10 +92,7 @@ class _MTPWorkerBase(SpecWorkerBase):
         if self.forcing:
             num_gen_accepted = forced_num_accepted(self.forced_value, draft_tokens.shape[1],
                                                    draft_tokens.shape[0], spec_metadata.seed, spec_metadata.offset)
-        ctx_tokens = target_tokens.new_zeros(num_ctx, draft_tokens.shape[1] + 1)
-        ctx_tokens[:, 0] = target_tokens[:num_ctx]
-        new_tokens = torch.cat([ctx_tokens, gen_tokens])
-        num_accepted = torch.cat([num_gen_accepted.new_ones(num_ctx), num_gen_accepted])
+        new_tokens, num_accepted = with_context_rows(target_tokens, num_ctx, gen_tokens, num_gen_accepted)
         emitted = num_accepted
         if spec_metadata.has_partial_contexts:  # a partial prompt chunk emits nothing: it keeps its prompt's state
             ctx_emitted = torch.where(spec_metadata.partial_contexts[:num_ctx], 0, num_accepted[:num_ctx])
