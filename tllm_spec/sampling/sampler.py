@@ -70,9 +70,22 @@ def filtered_sorted_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     keep = ranks < top_ks.unsqueeze(-1)
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)
-    mass_before = probs.cumsum(-1) - probs
-    keep &= mass_before < top_ps.unsqueeze(-1)  # the smallest prefix holding >= top_p of the mass
+    keep &= mass_before(probs) < top_ps.unsqueeze(-1)  # the smallest prefix holding >= top_p of the mass
     return probs * keep, order
+
+
+@torch.library.custom_op("tllm_spec::mass_before", mutates_args=())
+def mass_before(probs: torch.Tensor) -> torch.Tensor:
+    """The probability mass before each entry of a row (exclusive cumulative sum over the last axis). [R, V] f32.
+
+    A torch op opaque to torch.compile: Inductor (torch 2.11, CUDA) fails to generate code for the split scan it
+    plans over a vocabulary-long row when the row count is dynamic, so the compiled step calls cumsum as is."""
+    return probs.cumsum(-1) - probs
+
+
+@mass_before.register_fake
+def _(probs):
+    return torch.empty_like(probs)
 
 
 def target_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
