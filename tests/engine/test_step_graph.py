@@ -1,7 +1,9 @@
-"""The generation step traces as one torch.compile graph (no graph break) for every worker and for sampled
-steps on the torch path: the precondition for compiling the step whole, target, acceptance and draft passes
-together, with one graph for every batch size, as CUDAGraphRunner does by default on a fused single-GPU target
-(tests/gpu/test_engine_gpu.py checks the same with FlashInfer's samplers on the GPU)."""
+"""The generation step traces under torch.compile with no graph break but one, where the fused decoder hands its
+layers to one compiled layer each (``FusedDecoder._compiled_layers``: one compilation serves every layer), for
+every worker and for sampled steps on the torch path: the precondition for compiling the step whole (embedding,
+acceptance, sampling and draft passes fused; one graph for every batch size), as CUDAGraphRunner does by default
+on a fused single-GPU target (tests/gpu/test_engine_gpu.py checks the same with FlashInfer's samplers on the
+GPU)."""
 import pytest
 import torch
 
@@ -13,6 +15,12 @@ from ..models import eagle3, tiny_pair
 from ..test_mtp_lossless import mtp_target
 
 BATCH = 5
+LAYER_STACK = "FusedDecoder._compiled_layers"  # the step's one graph break, by design
+
+
+def breaks_elsewhere(reasons) -> list[str]:
+    """The graph-break reasons (explain's, or the keys of Dynamo's graph_break counter) not at the layer stack."""
+    return [str(reason) for reason in reasons if LAYER_STACK not in str(reason)]
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +59,7 @@ def _step_modules(model):
 
 @pytest.mark.parametrize("worker,temperature", [("eagle3", 0.0), ("eagle3", 0.8), ("mtp", 0.8), ("mtp_vanilla", 0.0),
                                                 ("plain", 0.0)])
-def test_generation_step_is_one_graph(worker, temperature):
+def test_generation_step_breaks_only_at_the_layer_stack(worker, temperature):
     model = _model(worker, rejection=temperature > 0)
     k = model.max_draft_len
     model.runner.spec_metadata.prepare([SamplingParams(temperature=temperature, top_k=20)] * BATCH, (), k, k)
@@ -62,8 +70,9 @@ def test_generation_step_is_one_graph(worker, temperature):
     drafts = torch.randint(0, 90, (BATCH, k), generator=gen)
     with torch.inference_mode():
         explained = torch._dynamo.explain(generation_step)(*_step_modules(model), ids, positions, slots, drafts)
-    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
-    assert explained.graph_count == 1 and explained.op_count > 0
+    elsewhere = breaks_elsewhere(b.reason for b in explained.break_reasons)
+    assert explained.graph_break_count > 0 and not elsewhere, elsewhere
+    assert explained.op_count > 0
 
 
 def test_one_compiled_step_serves_every_batch_size():
@@ -76,11 +85,13 @@ def test_one_compiled_step_serves_every_batch_size():
     compiled = compiled_generation_step(backend="eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
+    graphs = []
     for size in (2, 3, 5):
         inputs = _greedy_step_inputs(model, size, k)
         with torch.inference_mode(), step_compile_settings():
             assert torch.equal(compiled(*_step_modules(model), *inputs), generation_step(*_step_modules(model), *inputs))
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs  # batch 3 and 5 compiled nothing more
 
 
 def test_uniform_draws_the_eager_numbers_when_compiled():
@@ -114,20 +125,21 @@ def test_a_new_forced_count_needs_no_recompilation():
     compiled = compiled_generation_step(backend="eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
-    lens = {}
+    lens, graphs = {}, []
     for forced in (1.5, 3.0):
         model.worker.forced_num_accepted = forced
         inputs = _greedy_step_inputs(model, size, k)
         with torch.inference_mode(), step_compile_settings():
             lens[forced] = compiled(*_step_modules(model), *inputs)[:, k + 1]  # new_tokens_lens
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0], graphs
     assert set(lens[1.5].tolist()) <= {2, 3} and lens[3.0].tolist() == [k + 1] * size
 
 
 @pytest.mark.parametrize("worker", ["eagle3", "plain"])  # K = 3 and K = 0 (MTP: the same OneModel code)
 def test_a_step_with_logprobs_is_one_graph_and_compiles_to_the_eager_outputs(worker):
     """A step whose requests ask for logprobs (log-softmax, top-k, fp32 bits packed into int64 columns) traces
-    without a graph break, and compiled through AOT autograd (functionalised, as Inductor sees it) packs the eager
+    without a graph break but the layer stack's, and compiled through AOT autograd (functionalised, as Inductor sees it) packs the eager
     step's columns bit for bit."""
     model = _model(worker, rejection=False)
     k, size = model.max_draft_len, 3
@@ -144,7 +156,7 @@ def test_a_step_with_logprobs_is_one_graph_and_compiles_to_the_eager_outputs(wor
 
     with torch.inference_mode():
         explained = torch._dynamo.explain(generation_step)(*_step_modules(model), ids, positions, slots, drafts)
-    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert not breaks_elsewhere(b.reason for b in explained.break_reasons)
     eager = run(generation_step)
     assert eager.shape == (size, 2 * k + 3 + (k + 1) * (1 + 5))
     assert torch.equal(run(compiled_generation_step(backend="aot_eager")), eager)

@@ -10,6 +10,7 @@ from tllm_spec.sampling import flashinfer_ops
 from tllm_spec.spec_model import SpecModel
 
 from ..engine.test_run_ahead import count_steps_run_ahead
+from ..engine.test_step_graph import breaks_elsewhere
 from ..models import eagle3, hf_greedy, tiny_pair
 from ..test_mtp_lossless import mtp_target
 
@@ -148,8 +149,9 @@ def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypa
 @pytest.mark.parametrize("spec", ["eagle3", "mtp", "none"])
 @pytest.mark.parametrize("rejection", [False, True])
 def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
-    """The default step compiled whole traces FlashInfer's samplers (torch custom ops) without a graph break,
-    and one dynamic compilation serves every bucket above 1 of a sampling variant."""
+    """The default step compiled whole traces FlashInfer's samplers (torch custom ops) without a graph break
+    (but the layer stack's, by design), and one dynamic compilation serves every bucket above 1 of a sampling
+    variant: batches 3, 5 and 8 compile nothing after batches 1 and 2."""
     if spec == "none" and rejection:
         pytest.skip("plain decoding has no acceptance")
     assert flashinfer_ops.available(torch.device("cuda")), "the GPU suite needs flashinfer (.devkit)"
@@ -165,12 +167,13 @@ def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
         config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection}) if spec == "eagle3" else None
         model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
     assert model.runner.compiles_step_whole and model.runner.graph_runner.step is not generation_step
+    graphs = {}
     for size in (1, 2, 3, 5, 8):
         model.generate(PROMPTS[:size] + PROMPTS[:max(0, size - len(PROMPTS))],
                        SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20), seed=size)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    variants = {key[1:] for key in model.runner.graph_runner.graphs}
-    assert 1 <= counters["stats"]["unique_graphs"] <= 2 * len(variants), dict(counters["stats"])  # batch 1, the rest
+        graphs[size] = counters["stats"]["unique_graphs"]
+    assert not breaks_elsewhere(counters["graph_break"]), dict(counters["graph_break"])
+    assert graphs[1] > 0 and graphs[8] == graphs[2], graphs
     torch._dynamo.reset()
 
 

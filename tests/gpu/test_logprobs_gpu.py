@@ -12,6 +12,7 @@ from tllm_spec.demo import resolve
 from tllm_spec.one_model import packed_columns
 
 from ..engine.test_run_ahead import count_steps_run_ahead
+from ..engine.test_step_graph import breaks_elsewhere
 
 pytestmark = pytest.mark.cuda
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in ", "# 日本語 — é\n"]
@@ -49,7 +50,7 @@ def test_graphed_compiled_logprobs_equal_eager(spec, dtype, monkeypatch):
     graphed, eager = _model(spec, dtype, eager=False), _model(spec, dtype, eager=True)
     launched = count_steps_run_ahead(monkeypatch)
     outs, expected = graphed.generate(PROMPTS, PARAMS, seed=1), eager.generate(PROMPTS, PARAMS, seed=1)
-    assert launched[0] > 0 and not counters["graph_break"], dict(counters["graph_break"])
+    assert launched[0] > 0 and not breaks_elsewhere(counters["graph_break"]), dict(counters["graph_break"])
     graphs = graphed.runner.graph_runner.graphs
     assert {0, 1, 20} <= {key[5] for key in graphs}
     assert all(packed.shape[1] == packed_columns(graphed.max_draft_len, key[5]) for key, (_, packed) in graphs.items())

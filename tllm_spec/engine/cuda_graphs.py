@@ -14,6 +14,7 @@ replayed inside each CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,9 +23,11 @@ from tqdm.auto import tqdm
 from ..config import SamplingParams
 from ..drafts.metadata import sampling_variant
 from ..model.attention import AttentionMetadata
+from ..model.decoder import layer_backend
 from ..model.kv_cache import KVCache
 from ..model.layers import COMPILE_OPTIONS
 from ..one_model import OneModel
+from ..sampling import flashinfer_ops
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy
@@ -36,6 +39,13 @@ def variant_example(variant: tuple[bool, bool, int]) -> SamplingParams:
     all_greedy, has_request_seeds, logprobs_width = variant
     return SamplingParams(temperature=0.0 if all_greedy else 1.0, seed=0 if has_request_seeds else None,
                           logprobs=logprobs_width or None)
+
+
+def variant_name(variant: tuple[bool, bool, int]) -> str:
+    """"greedy", "sampled" or "seeded", with the logprobs width if any: for progress bars and reports."""
+    all_greedy, has_request_seeds, logprobs_width = variant
+    name = "greedy" if all_greedy else "seeded" if has_request_seeds else "sampled"
+    return f"{name}+logprobs{logprobs_width}" if logprobs_width else name
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -76,10 +86,15 @@ def generation_step(model: OneModel, kv: KVCache, ids: torch.Tensor, positions: 
 
 
 def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
-    """:func:`generation_step` under torch.compile with dynamic shapes; call it inside
-    :func:`step_compile_settings`."""
+    """:func:`generation_step` under torch.compile with dynamic shapes, the fused layers compiled with the same
+    backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings`."""
     options = COMPILE_OPTIONS if backend == "inductor" else None
-    return torch.compile(generation_step, dynamic=True, backend=backend, options=options)
+    step = torch.compile(generation_step, dynamic=True, backend=backend, options=options)
+
+    def run(*args) -> torch.Tensor:
+        with layer_backend(backend):
+            return step(*args)
+    return run
 
 
 def step_compile_settings() -> contextlib.ExitStack:
@@ -112,6 +127,7 @@ class CUDAGraphRunner:
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.last: tuple[GraphKey, int] | None = None  # graph key, requests of the last run
+        self.capture_seconds: dict[GraphKey, float] = {}  # wall time of each capture, its compile included
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -125,13 +141,16 @@ class CUDAGraphRunner:
         mixing requests may have a variant none of them has alone (a sampled one beside a greedy one asking for
         logprobs): that one is captured on first use."""
         examples = {sampling_variant([p]): p for p in params}
-        todo = [(size, k, variant, example) for size, k in self._bucket_draft_lens()
-                for variant, example in examples.items() if (size, k, k, *variant) not in self.graphs]
+        if any(not variant[0] for variant in examples):  # FlashInfer's JIT build runs beside the greedy compiles
+            flashinfer_ops.start_sampling_build(self.model.device)
+        pairs = self._bucket_draft_lens()
+        todo = [(size, k, variant, example) for variant, example in sorted(examples.items(), reverse=True)
+                for size, k in pairs if (size, k, k, *variant) not in self.graphs]  # greedy variants first
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
         for size, k, variant, example in bar:
-            bar.set_postfix_str(f"batch {size}, {k} drafts")
+            bar.set_postfix_str(f"batch {size}, {k} drafts, {variant_name(variant)}")
             self._fill([], [], [], [], [], size, k, k, pad_params=example)
-            self.graphs[(size, k, k, *variant)] = self._capture(size, k)
+            self._capture_into((size, k, k, *variant))
 
     def _bucket_draft_lens(self) -> list[tuple[int, int]]:
         """(bucket, draft length) for every draft length the schedule gives a batch size in the bucket."""
@@ -150,7 +169,7 @@ class CUDAGraphRunner:
         key = (size, draft_len, next_draft_len, *variant)
         if key not in self.graphs:  # e.g. a step that changes the draft length: capture it first ...
             self._fill([], [], [], [], [], size, draft_len, next_draft_len, pad_params=variant_example(variant))
-            self.graphs[key] = self._capture(size, draft_len)  # ... on padding rows, so the warm-up steps move no
+            self._capture_into(key)  # ... on padding rows, so the warm-up steps move no
             # real request's state (its draft distributions, its thinking state), then replay on the real rows
         self._fill(ids, positions, slots, drafts, params, size, draft_len, next_draft_len)
         graph, packed = self.graphs[key]
@@ -195,6 +214,12 @@ class CUDAGraphRunner:
                                self.inputs[2, :tokens], drafts)
         advance_inputs(self.inputs, packed, size, draft_len, self.k, self.kv_cache.padding_slot)
         return packed
+
+    def _capture_into(self, key: GraphKey) -> None:
+        """Capture the graph of ``key`` (its inputs already filled) and time it."""
+        began = time.perf_counter()
+        self.graphs[key] = self._capture(key[0], key[1])
+        self.capture_seconds[key] = time.perf_counter() - began
 
     def _capture(self, size: int, draft_len: int) -> tuple[torch.cuda.CUDAGraph | EagerReplay, torch.Tensor]:
         """Warm up (JIT compiles, allocator) on a side stream, then capture; the RNG state is restored so

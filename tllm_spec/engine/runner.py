@@ -17,6 +17,7 @@ from ..model.kv_cache import KVCache
 from ..model.target import TargetModel
 from ..modes import SpeculativeDecodingMode
 from ..one_model import OneModel, packed_columns
+from ..sampling import flashinfer_ops
 from ..sampling.forcing import read_forced_num_accepted
 from ..sampling.logprobs import MAX_LOGPROBS
 from .cuda_graphs import CUDAGraphRunner
@@ -40,6 +41,8 @@ class ModelRunner:
             getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
         self.eos_token_ids = _eos_token_ids(target, tokenizer)
         device = target.lm_head.weight.device
+        if worker.use_flashinfer:  # its JIT build (minutes on a fresh machine) runs beside what follows
+            flashinfer_ops.start_sampling_build(device)
         metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, device)
         self.model = OneModel(target, worker, mode, metadata)
         self.kv_cache = self._make_kv_cache()
@@ -48,6 +51,8 @@ class ModelRunner:
         if engine_config.use_fused_layers:
             target.fuse(self.max_positions_per_request)
             worker.fuse(self.max_positions_per_request)
+            if target.fused is not None:
+                target.fused.bind_kv_cache(self.kv_cache)
         use_graphs = device.type == "cuda" and not engine_config.enforce_eager
         self._compile_whole = use_graphs and engine_config.compile_step and self.compiles_step_whole
         if use_graphs and engine_config.compile_step and not self._compile_whole:

@@ -77,9 +77,18 @@ class AttentionMetadata:
         return AttentionMetadata.build(self.kv_cache, token_slots, positions, self.max_kv_len)
 
 
-def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
-           sliding_window: int | None = None) -> torch.Tensor:
-    """Store k, v for this forward's tokens in ``layer`` and attend. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
+KVLayer = int | tuple[torch.Tensor, torch.Tensor]  # a KV layer: its index in the cache, or its (k, v) tensors
+
+
+def layer_caches(cache: KVCache, layer: KVLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of a KV layer given by index or already as its tensors."""
+    return layer if isinstance(layer, tuple) else (cache.k[layer], cache.v[layer])
+
+
+def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+           scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Store k, v for this forward's tokens in ``layer`` (its index in ``meta.kv_cache``, or its (k_cache,
+    v_cache) tensors) and attend. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
 
     On the GPU, context tokens go through :func:`context_attention` (dense causal attention per prompt chunk)
     and the other tokens read the paged cache. On the CPU the paged reference serves every token in one batched
@@ -87,7 +96,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     torch.compile the write and the paged attention are one custom op, opaque to Inductor.
     """
     cache = meta.kv_cache
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    k_cache, v_cache = layer_caches(cache, layer)
     num_ctx = meta.num_context_tokens
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -104,7 +113,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
                   meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
     kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
-    out[:num_ctx] = context_attention(layer, q[:num_ctx], k[:num_ctx], v[:num_ctx], meta, scale, sliding_window)
+    out[:num_ctx] = context_attention((k_cache, v_cache), q[:num_ctx], k[:num_ctx], v[:num_ctx], meta, scale, sliding_window)
     if num_ctx < q.shape[0]:
         out[num_ctx:] = paged_attention(q[num_ctx:], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
@@ -136,7 +145,7 @@ def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positio
     return q.new_empty(q.shape)
 
 
-def context_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """The context chunks' attention (their K/V already written). q [C, Hq, D]; k, v [C, Hkv, D] -> [C, Hq, D],
     C = meta.num_context_tokens. A chunk from position 0 attends to itself (dense causal SDPA on this forward's
@@ -146,6 +155,7 @@ def context_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if not any(starts):
         return prefill_attention(q, k, v, meta.context_lens, scale, sliding_window)
     cache = meta.kv_cache
+    k_cache, v_cache = layer_caches(cache, layer)
     out = torch.empty_like(q)
     offset = 0
     for n, start in zip(meta.context_lens, starts):
@@ -153,12 +163,12 @@ def context_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         if start == 0:
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], (n,), scale, sliding_window)
         elif sliding_window is not None:
-            out[rows] = paged_attention(q[rows], cache.k[layer], cache.v[layer], cache.block_tables,
+            out[rows] = paged_attention(q[rows], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[rows], meta.positions[rows], scale, meta.max_kv_len,
                                         sliding_window)
         else:
             block_table = cache.block_tables.index_select(0, meta.token_slots[offset:offset + 1])  # [1, P]
-            out[rows] = cached_prefix_attention(q[rows], cache.k[layer], cache.v[layer], block_table, start, scale)
+            out[rows] = cached_prefix_attention(q[rows], k_cache, v_cache, block_table, start, scale)
         offset += n
     return out
 

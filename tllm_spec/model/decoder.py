@@ -6,12 +6,16 @@ return ``None`` from :meth:`FusedDecoder.from_hf` and run through the stock HF m
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from .attention import AttentionMetadata
-from .layers import MLP, Attention, DecoderLayer
+from .kv_cache import KVCache
+from .layers import COMPILE_OPTIONS, MLP, Attention, DecoderLayer
 from .rotary import RotaryTable
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x̂·w, eps in fp32
@@ -30,6 +34,7 @@ class FusedDecoder(nn.Module):
         self.embed_tokens, self.norm, self.rotary = embed_tokens, norm, rotary
         self.layers = nn.ModuleList(layers)
         self.capture_ids: tuple[int, ...] = ()
+        self._compiled: dict[str, list[nn.Module]] = {}  # backend -> torch.compile of each layer, on first use
 
     @staticmethod
     def supports(hf_model: PreTrainedModel) -> bool:
@@ -55,15 +60,57 @@ class FusedDecoder(nn.Module):
                    RotaryTable.from_hf(decoder.rotary_emb, max_positions, dtype))
 
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids [T] int64 -> (final-normed hidden [T, H], outputs of the capture layers, each [T, H])."""
+        """input_ids [T] int64 -> (final-normed hidden [T, H], outputs of the capture layers, each [T, H]).
+
+        Under torch.compile the layers run one compiled layer each (:meth:`_compiled_layers`): one compilation
+        serves all of them, where tracing the whole stack would trace every layer again (most of a start-up)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(attn.rotary_positions)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, attn)
-            if i in self.capture_ids:
-                captured[i] = hidden
-        return self.norm(hidden), [captured[i] for i in self.capture_ids]
+        if torch.compiler.is_compiling():
+            hidden, captured = self._compiled_layers(hidden, rope, attn)
+        else:
+            hidden, captured = run_layers(self.layers, self.capture_ids, hidden, rope, attn)
+        return self.norm(hidden), captured
+
+    @torch.compiler.disable  # the caller's graph stops here; each layer below is a compiled region of its own
+    def _compiled_layers(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        backend = _layer_backend[0]
+        if backend not in self._compiled:
+            options = COMPILE_OPTIONS if backend == "inductor" else None
+            self._compiled[backend] = [torch.compile(layer, dynamic=True, backend=backend, options=options)
+                                       for layer in self.layers]
+        return run_layers(self._compiled[backend], self.capture_ids, hidden, rope, attn)
+
+    def bind_kv_cache(self, kv_cache: KVCache) -> None:
+        """Each layer attends over its own layer of ``kv_cache`` as tensors (see :meth:`Attention.bind_kv_cache`)."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.bind_kv_cache(kv_cache.k[attn.kv_layer], kv_cache.v[attn.kv_layer])
+
+
+_layer_backend = ["inductor"]  # the torch.compile backend of the layers of a compiled step (layer_backend)
+
+
+@contextlib.contextmanager
+def layer_backend(backend: str) -> Iterator[None]:
+    """Compile the fused layers with ``backend`` (as the step that calls them is) inside this block."""
+    saved, _layer_backend[0] = _layer_backend[0], backend
+    try:
+        yield
+    finally:
+        _layer_backend[0] = saved
+
+
+def run_layers(layers, capture_ids: tuple[int, ...], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               attn: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """hidden [T, H] through ``layers`` -> (hidden [T, H], the outputs of the layers in ``capture_ids``)."""
+    captured = {}
+    for i, layer in enumerate(layers):
+        hidden = layer(hidden, rope, attn)
+        if i in capture_ids:
+            captured[i] = hidden
+    return hidden, [captured[i] for i in capture_ids]
 
 
 def _supported_layer(layer: nn.Module) -> bool:

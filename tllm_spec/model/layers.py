@@ -105,6 +105,14 @@ class Attention(nn.Module):
         self.kv_layer, self.scale, self.sliding_window = kv_layer, scale, sliding_window
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.tp_group: str | None = None
+        # this layer's KV cache tensors once bound (bind_kv_cache): buffers, so that a torch.compile of one layer
+        # serves every layer (they are inputs of the compiled code, where an index would be baked into it)
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Attend over these tensors (KV layer ``kv_layer`` of the engine's cache) from now on."""
+        self.k_cache, self.v_cache = k_cache, v_cache
 
     @classmethod
     def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, head_dim: int, kv_layer: int,
@@ -131,7 +139,8 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = attend(self.kv_layer, q, k, v, attn, self.scale, self.sliding_window)
+        kv_layer = self.kv_layer if self.k_cache is None else (self.k_cache, self.v_cache)
+        out = attend(kv_layer, q, k, v, attn, self.scale, self.sliding_window)
         return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import types
 import warnings
 
@@ -45,6 +46,41 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and load_flashinfer() is not None
 
 
+_build_lock = threading.Lock()
+_build_thread: threading.Thread | None = None
+
+
+def start_sampling_build(device: torch.device) -> bool:
+    """Build (or load from its cache) FlashInfer's sampling module on a background thread, so a start-up spends
+    the JIT build's minutes beside torch.compile instead of after it. True if a build is started or done; False
+    where FlashInfer is not used (off CUDA, or missing). :func:`wait_sampling_build` joins it."""
+    global _build_thread
+    if not available(device):
+        return False
+    with _build_lock:
+        if _build_thread is None:
+            fi = load_flashinfer()  # imported here, on the caller's thread; the thread only builds
+            _build_thread = threading.Thread(target=_build_sampling_module, args=(fi,), daemon=True,
+                                             name="tllm_spec-flashinfer-build")
+            _build_thread.start()
+    return True
+
+
+def _build_sampling_module(fi: types.ModuleType) -> None:
+    try:
+        fi.sampling.get_sampling_module()
+    except Exception as err:  # reported again, with its trace, by the first sampling call that needs it
+        warnings.warn(f"FlashInfer's sampling module failed to build in the background: {err}", stacklevel=1)
+
+
+def wait_sampling_build() -> None:
+    """Block until a build started by :func:`start_sampling_build` has finished (at once if none was)."""
+    with _build_lock:
+        thread = _build_thread
+    if thread is not None:
+        thread.join()
+
+
 # FlashInfer's samplers as torch custom ops, so a compiled generation step traces them as single nodes (no graph
 # break) and Inductor fuses the elementwise work around them. seed/offset are read on the device, not mutated.
 @torch.library.custom_op("tllm_spec::flashinfer_top_k_top_p_sample", mutates_args=())
@@ -52,6 +88,7 @@ def top_k_top_p_sample(probs_logits: torch.Tensor, top_ks: torch.Tensor, top_ps:
                        seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Sample one token per row from temperature-scaled logits [R, V] (top_ks [R] int32, top_ps [R] f32) ->
     [R] int64. seed/offset are [1] int64 device tensors: read on the device, so the call is CUDA-graph safe."""
+    wait_sampling_build()
     fi = load_flashinfer()
     return fi.sampling.top_k_top_p_sampling_from_logits(
         probs_logits, top_ks, top_ps, deterministic=True, check_nan=False, seed=seed, offset=offset
@@ -68,6 +105,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_ids: torch.Tenso
                                seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """flashinfer's rejection sampler: the tokens [B, n+1] int64, accepted drafts then the correction/bonus,
     padded with -1."""
+    wait_sampling_build()
     fi = load_flashinfer()
     num_rows = draft_ids.shape[0]
     accepted = torch.zeros(num_rows, dtype=torch.int32, device=draft_ids.device)

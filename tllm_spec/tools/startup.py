@@ -63,7 +63,7 @@ def mixed_params(size: int, guided: bool) -> list:
 def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     """Build, warm up, serve mixed batches at every bucket; write the timings and counts to ``out``."""
     imported = time.time()
-    from ..engine.cuda_graphs import batch_buckets
+    from ..engine.cuda_graphs import batch_buckets, variant_name
     from .random_models import random_spec_model
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -78,13 +78,16 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
         prompts = [[(31 * i + j) % vocab for j in range(16)] for i in range(size)]
         model.generate(prompts, mixed_params(size, guided))
     graph_runner = model.runner.graph_runner
+    captures = [] if graph_runner is None else [
+        {"batch": key[0], "draft_len": key[1], "variant": variant_name(key[3:]), "seconds": round(seconds, 2)}
+        for key, seconds in graph_runner.capture_seconds.items()]
     result = {"start": START, "imported": imported, "built": built, "ready": ready,
               "graphs_at_ready": captured, "compiles_at_ready": compiles,
               "compiles_after_ready": num_compiled_graphs() - compiles,
               "captures_after_ready": (len(graph_runner.graphs) - captured) if graph_runner is not None else 0,
               "triton_variants_at_ready": variants,
               "triton_variants_after_ready": None if variants is None else num_triton_variants() - variants,
-              "guided_served": guided, "served_buckets": batch_buckets(max_batch_size)}
+              "captures": captures, "guided_served": guided, "served_buckets": batch_buckets(max_batch_size)}
     out.write_text(json.dumps(result, indent=1))
 
 
