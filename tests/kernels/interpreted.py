@@ -11,6 +11,8 @@ from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import paged_attention as attention_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
+from tllm_spec.kernels import rotary as rotary_module
+from tllm_spec.kernels import silu_mul as silu_mul_module
 from tllm_spec.kernels import skinny_linear as skinny_module
 from tllm_spec.model.rotary import apply_rotary
 
@@ -150,6 +152,30 @@ def _rms_norm_case(rows: int, width: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def _silu_mul_case(rows: int, width: int, dtype: torch.dtype) -> None:
+    """Rows with a stride (a slice of a wider tensor), a column tail; fp16 rounds where the stock ops do."""
+    g = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, 2 * width + 6, generator=g) * 3).to(dtype)[:, 6:]
+    out = silu_mul_module.silu_mul(x)
+    assert out.dtype == dtype and out.shape == (rows, width)
+    torch.testing.assert_close(out.float(), silu_mul_module.silu_mul_ref(x.float()), atol=2e-3, rtol=2e-3)
+    if dtype == torch.float16:  # silu rounded to fp16 before the product, as F.silu(gate) * up rounds
+        torch.testing.assert_close(out, silu_mul_module.silu_mul_ref(x), atol=0, rtol=1e-3)
+
+
+def _rotary_case(tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """q|k heads as a strided slice of a qkv row (the tail: v), a head count that is no multiple of the heads
+    per program, cos/sin rows gathered from a wider table: the stock rotation exactly (bf16 through the kernel,
+    fp32 through the reference), large angles included."""
+    g = torch.Generator().manual_seed(tokens * 7 + num_heads + head_dim)
+    qkv = torch.randn(tokens, num_heads + 2, head_dim, generator=g).to(dtype)
+    x = qkv[:, :num_heads]
+    cos, sin = torch.randn(2, tokens, 1, head_dim + 4, generator=g).to(dtype)[..., 2:head_dim + 2].unbind(0)
+    out = rotary_module.rotary(x, cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    assert torch.equal(out, rotary_module.rotary_ref(x, cos, sin))
+
+
 def _engine_cases() -> None:
     """Greedy decoding with every attention call on the interpreted kernels equals HF generate: the flat
     layout keeps the promise the kernels rely on (runs of K+1 tokens of one request; MTP windows write
@@ -200,6 +226,13 @@ def main() -> None:
     for rows, width, dtype in itertools.product([1, 4], [100, 4096], [torch.float16, torch.bfloat16]):
         _rms_norm_case(rows, width, dtype)
         print(f"ok rms_norm rows={rows} width={width} {dtype}")
+    for rows, width, dtype in itertools.product([1, 5], [8, 1100], [torch.float16, torch.float32]):
+        _silu_mul_case(rows, width, dtype)
+        print(f"ok silu_mul rows={rows} width={width} {dtype}")
+    for tokens, num_heads, head_dim, dtype in itertools.product([1, 6], [3, 10], [16, 12], [torch.bfloat16,
+                                                                                           torch.float32]):
+        _rotary_case(tokens, num_heads, head_dim, dtype)
+        print(f"ok rotary tokens={tokens} heads={num_heads} d={head_dim} {dtype}")
     _engine_cases()
 
 

@@ -21,4 +21,5 @@ def test_kernels_match_references_under_the_interpreter():
     assert result.stdout.count("ok skinny_linear") == 36 and result.stdout.count("ok epilogue skinny_linear") == 24
     assert result.stdout.count("ok rotary skinny_linear") == 12
     assert result.stdout.count("ok rms_norm") == 8
+    assert result.stdout.count("ok silu_mul") == 8 and result.stdout.count("ok rotary tokens") == 16
     assert result.stdout.count("ok engine") == 2

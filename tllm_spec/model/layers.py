@@ -10,11 +10,12 @@ skinny-GEMM kernel, whose sums round differently from cuBLAS's).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel import all_reduce
 from ..kernels.rms_norm import rms_norm_op
+from ..kernels.rotary import rotary
+from ..kernels.silu_mul import silu_mul, silu_mul_ref
 from ..kernels.skinny_linear import MAX_ROWS, skinny_linear_op, skinny_linear_ref
 from .attention import AttentionMetadata, attend
 from .rotary import apply_rotary
@@ -48,6 +49,12 @@ def one_request_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
     the compiled one's branch."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not attn.context_lens
             and x.shape[0] <= attn.tokens_per_request and attn.tokens_per_request <= MAX_ROWS)
+
+
+def eager_kernel(stock, kernel):
+    """``kernel`` (one launch where the stock ops are several) in eager steps; under torch.compile the ``stock``
+    ops, which Inductor fuses with their neighbours."""
+    return stock if torch.compiler.is_compiling() else kernel
 
 
 def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -132,12 +139,13 @@ class Attention(nn.Module):
         elif self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
             qkv = linear(x, self.qkv_proj)
             qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = eager_kernel(apply_rotary, rotary)(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             qkv = linear(x, self.qkv_proj)
             q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            rotate = eager_kernel(apply_rotary, rotary)
+            q, k = rotate(q, *rope), rotate(k, *rope)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         kv_layer = self.kv_layer if self.k_cache is None else (self.k_cache, self.v_cache)
         out = attend(kv_layer, q, k, v, attn, self.scale, self.sliding_window)
@@ -151,7 +159,6 @@ class MLP(nn.Module):
     def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Linear):
         super().__init__()
         self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
-        self.intermediate = gate_up_proj.out_features // 2
         self.tp_group: str | None = None
 
     @classmethod
@@ -164,8 +171,7 @@ class MLP(nn.Module):
         if gated:
             act = linear(x, self.gate_up_proj, gated=True)
         else:
-            gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
-            act = F.silu(gate) * up
+            act = eager_kernel(silu_mul_ref, silu_mul)(linear(x, self.gate_up_proj))
         return output_projection(act, self.down_proj, self.tp_group, residual)
 
 
