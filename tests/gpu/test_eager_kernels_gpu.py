@@ -1,5 +1,4 @@
-"""The eager steps' one-pass kernels on the GPU (a prompt's rows): the rotary embedding is the stock rotation to the
-bit; the SwiGLU product the stock ops' but where the exponential's last fp32 bit tips a rounding."""
+"""The eager steps' one-pass kernels on the GPU (a prompt's rows): the stock ops' results to the bit."""
 import pytest
 import torch
 
@@ -28,6 +27,4 @@ def test_rotary_kernel_is_the_stock_rotation(dtype, tokens, heads, head_dim):
 def test_silu_mul_kernel_matches_the_stock_ops(dtype, rows, width):
     g = torch.Generator(device="cuda").manual_seed(rows + width)
     x = (3 * torch.randn(rows, 2 * width, device="cuda", generator=g)).to(dtype)
-    out, stock = silu_mul(x), silu_mul_ref(x)
-    torch.testing.assert_close(out.float(), stock.float(), atol=0, rtol=2 ** -6)  # one ulp where they differ
-    assert (out != stock).float().mean() < 0.001
+    assert torch.equal(silu_mul(x), silu_mul_ref(x))

@@ -1,7 +1,8 @@
 """The SwiGLU product of a fused gate|up projection, silu(gate) * up, in one pass: for steps that run eagerly
 (prompt chunks, mixed steps), where the stock ops would read and write the [M, I] intermediate three times.
 
-Rounds where the stock ops round: silu's result to the input dtype, then the product.
+Rounds where the stock ops round: silu's result to the input dtype, then the product; its exponential and
+division are CUDA's correctly rounded ones (libdevice's expf, IEEE division), as torch's kernel computes them.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .. import kernels
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
@@ -34,13 +36,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), BLOCK=BLOCK)
+        _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), BLOCK=BLOCK,
+                                                                   CUDA=x.is_cuda)
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, width, stride_xm, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, y_ptr, width, stride_xm, BLOCK: tl.constexpr, CUDA: tl.constexpr):
         """One program per (row, block of columns): silu in fp32 rounded to the dtype, times up, rounded."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -48,5 +51,9 @@ if triton is not None:
         dtype = y_ptr.dtype.element_ty
         gate = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_xm + width + cols, mask=ok, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        if CUDA:  # CUDA's expf and an IEEE division, as torch's kernel computes silu
+            act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+        else:  # Triton's CPU interpreter has neither
+            act = gate / (1.0 + tl.exp(-gate))
+        act = act.to(dtype).to(tl.float32)
         tl.store(y_ptr + row * width + cols, (act * up).to(dtype), mask=ok)
