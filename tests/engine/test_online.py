@@ -205,7 +205,8 @@ def test_a_slow_async_consumer_gets_what_queued_up_as_one_output(demo):
         outs = []
         async for out in demo.async_engine.generate(PROMPTS[2], params):
             outs.append(out)
-            time.sleep(0.05)  # block the event loop: several steps' outputs queue up meanwhile
+            if len(outs) == 1:
+                time.sleep(0.5)  # block the event loop: several steps' outputs queue up meanwhile
         return outs
     outs = asyncio.run(main())
     assert [t for o in outs for t in o.token_ids] == expected.token_ids
