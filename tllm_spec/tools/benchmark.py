@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import SamplingParams
+from ..sampling import flashinfer_ops
 from ..sampling.forcing import ENV_VAR
 from ..spec_model import SpecModel
 
@@ -93,6 +94,7 @@ def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, fo
               bandwidth: float, seed: int = 0) -> Point:
     """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone)."""
     force_acceptance(model, forced)
+    flashinfer_ops.wait_sampling_build()  # no timing shares the host with FlashInfer's JIT build
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.target.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)

@@ -29,6 +29,7 @@ from ..config import Eagle3Config, SamplingParams
 from ..engine.engine import Engine
 from ..engine.request import DecodeTimer, StreamOutput
 from ..model.target import TargetModel
+from ..sampling import flashinfer_ops
 from ..spec_model import SpecModel
 from .attention_bench import kv_bytes_read
 from .benchmark import force_acceptance, step_bytes
@@ -162,6 +163,7 @@ def measure_context_point(model: SpecModel, batch: int, context: int, new_tokens
     new_tokens / (K+1) decode steps of the full batch (fewer if a request ends first). The engine is driven from
     the calling thread: the model's engine thread must be idle (no ``generate`` running)."""
     force_acceptance(model, forced)
+    flashinfer_ops.wait_sampling_build()  # no timing shares the host with FlashInfer's JIT build
     engine, device, k = model.engine, model.device, model.max_draft_len
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]

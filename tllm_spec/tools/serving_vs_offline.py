@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, models
 from transformers import AutoConfig
 
 from ..config import SamplingParams
+from ..sampling import flashinfer_ops
 from ..serve.app import build_app
 from ..spec_model import SpecModel
 from .bench_serving import random_prompts
@@ -96,6 +97,7 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     model = random_spec_model(shape, "eagle3", 3, tempfile.mkdtemp(), dtype, device,
                               max_batch_size=max(concurrencies), tokenizer=numbered_tokenizer(vocab))
     force_acceptance(model, forced)
+    flashinfer_ops.wait_sampling_build()  # no timing shares the host with FlashInfer's JIT build
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     result: dict = {"shape": shape, "forced": forced, "device": gpu, "input_len": input_len, "output_len": output_len,
                     "points": []}
