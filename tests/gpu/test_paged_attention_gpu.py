@@ -96,6 +96,22 @@ def test_split_kv_matches_reference_at_long_context(contexts, query_len, hq, hkv
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2, msg=f"num_splits={splits}")
 
 
+@pytest.mark.parametrize("contexts", [[40], [300, 5000]])
+@pytest.mark.parametrize("tree_tokens", [8, 32])
+def test_tree_mask_matches_reference(contexts, tree_tokens):
+    """A draft tree's verify step: runs of 1 + N tokens with random per-token masks over the 63 keys below each
+    (itself always visible), unsplit and split, against the reference."""
+    query_len = tree_tokens + 1
+    args = _long_case(contexts, query_len, 32, 8, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(tree_tokens)
+    tree_mask = torch.randint(0, 2 ** 62, (len(args[0]),), device="cuda", generator=g) | 1
+    ref = paged_attention_ref(*args, tree_mask=tree_mask).float()
+    assert not torch.allclose(paged_attention_ref(*args).float(), ref, atol=2e-2, rtol=2e-2)  # the mask matters
+    for splits in (None, 1, 7):
+        out = paged_attention(*args, query_len=query_len, num_splits=splits, tree_mask=tree_mask).float()
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2, msg=f"num_splits={splits}")
+
+
 def test_one_split_graph_serves_every_context_length():
     """A graph captured with a fixed split count reads each run's length on the device: short and long contexts
     replayed through it match the reference, the fused K/V write included."""

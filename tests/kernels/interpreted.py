@@ -20,7 +20,7 @@ kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for C
 
 
 def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | None, fused_write: bool,
-                num_splits: int = 1, max_pages: int = 6) -> None:
+                num_splits: int = 1, max_pages: int = 6, tree: bool = False) -> None:
     g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq + num_splits)
     page, d = 4, 16
     num_pages = num_runs * max_pages + 6
@@ -35,14 +35,17 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
     new_kv = (torch.randn(len(q), hkv, d, generator=g), torch.randn(len(q), hkv, d, generator=g))
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     args = (block_tables, slots, positions, d ** -0.5, max_pages * page, window)
+    # a draft tree's masks: random visibility of the 63 keys below each token, itself always (bit 0)
+    tree_mask = torch.randint(0, 2 ** 62, (len(q),), generator=g) | 1 if tree else None
     if fused_write:
         out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, new_kv=new_kv,
-                                               num_splits=num_splits)
+                                               num_splits=num_splits, tree_mask=tree_mask)
     else:
         kv_write_module.kv_write(*new_kv, *caches[0], block_tables, slots, positions)
-        out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, num_splits=num_splits)
+        out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, num_splits=num_splits,
+                                               tree_mask=tree_mask)
     kv_write_module.kv_write_ref(*new_kv, *caches[1], block_tables, slots, positions)
-    ref = attention_module.paged_attention_ref(q, *caches[1], *args)
+    ref = attention_module.paged_attention_ref(q, *caches[1], *args, tree_mask=tree_mask)
     torch.testing.assert_close(caches[0][0], caches[1][0], rtol=0, atol=0)
     torch.testing.assert_close(caches[0][1], caches[1][1], rtol=0, atol=0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -58,6 +61,9 @@ def _split_cases() -> None:
             _paged_case(query_len, num_runs, hq, hkv, window, fused, splits, max_pages=40)
             print(f"ok split paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} "
                   f"window={window} fused_write={fused} splits={splits}")
+        for query_len, fused, splits in itertools.product([1, 8, 25], [False, True], [1, 3]):  # a verify step's tree
+            _paged_case(query_len, 2, 4, 2, None, fused, splits, max_pages=40, tree=True)
+            print(f"ok tree paged_attention query_len={query_len} fused_write={fused} splits={splits}")
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
     for query_len, window in itertools.product([1, 3], [0, 9]):

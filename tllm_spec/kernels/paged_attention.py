@@ -108,13 +108,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``new_kv``: this forward's (k, v) [N, Hkv, D], written into the cache by the same program before it
     attends (one launch instead of two). Only valid when each run holds ALL of its request's new tokens.
     ``num_splits``: KV splits per run (None: :func:`choose_num_splits`; 1: the unsplit kernel).
-    ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`); the reference only, for now.
+    ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
     """
     if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                                    sliding_window, query_len, new_kv, num_splits, tree_mask)
-    if tree_mask is not None:
-        raise NotImplementedError("draft-tree masks run on the reference path only: the kernel has no tree mask yet")
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads must be dense (its tokens may have a stride)"
@@ -135,10 +133,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # partial (acc, max, sum) per split; never read where a run's keys fit one chunk
     part_acc = q.new_empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32)
     part_ml = q.new_empty((num_splits, num_tokens, num_q_heads, 2), dtype=torch.float32)
+    assert tree_mask is None or (tree_mask.shape == (num_tokens,) and tree_mask.dtype == torch.int64)
     pdl = dependent_launch.launches_dependent(q)
     rows_pad = max(16, triton.next_power_of_2(group * query_len))
     _paged_attention_kernel[(num_runs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, token_slots, positions, out, part_acc, part_ml, scale, num_tokens,
+        q, k_cache, v_cache, block_tables, token_slots, positions, positions if tree_mask is None else tree_mask,
+        tree_mask is not None, out, part_acc, part_ml, scale, num_tokens,
         q.stride(0), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len, ROWS_PAD=rows_pad,
@@ -173,11 +173,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 if triton is not None:
+    TREE_WINDOW_C = tl.constexpr(TREE_WINDOW)
     from .attention_merge import split_bounds, split_chunk
     from .dependent_launch import prefetch_l2, wait_and_release
 
     @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, out_ptr,
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr,
+                                tree_mask_ptr, TREE: tl.constexpr, out_ptr,
                                 part_acc_ptr, part_ml_ptr, scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr,
                                 kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride,
                                 bt_rows, window, num_splits, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -195,7 +197,8 @@ if triton is not None:
         (acc, max, sum) for :func:`merge_splits`. PDL (:mod:`.dependent_launch`): while the kernel before runs,
         the program asks L2 for the cached K/V of its split's first PREFETCH_BLOCKS key blocks (addresses from
         the step's positions and block table, which that kernel does not write; a prefetch only warms L2, so it
-        cannot change a result)."""
+        cannot change a result). TREE: each row also obeys its token's draft-tree mask (:func:`tree_visible`:
+        bit j lets it see the key j positions below its own, for j < TREE_WINDOW)."""
         first = tl.program_id(0) * QUERY_LEN
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -209,6 +212,8 @@ if triton is not None:
         token = first + rows // GROUP
         row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)
         pos = tl.load(positions_ptr + token, mask=row_ok, other=-1).to(tl.int64)  # [ROWS_PAD]
+        if TREE:
+            tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=-1)  # [ROWS_PAD] int64
         lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
         start = lo + split * chunk
         stop = tl.minimum(start + chunk, last + 1)  # this split's keys: [start, stop)
@@ -232,6 +237,11 @@ if triton is not None:
             visible = kpos[None, :] <= pos[:, None]
             if window > 0:
                 visible = visible & (kpos[None, :] > pos[:, None] - window)
+            if TREE:
+                below = pos[:, None] - kpos[None, :]  # >= 0 where visible
+                in_tree = (below >= 0) & (below < TREE_WINDOW_C)
+                bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(below, 0), TREE_WINDOW_C - 1)) & 1
+                visible = visible & (~in_tree | (bit == 1))
             page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=in_run, other=0)
             kv_rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
             kv_mask = in_run[:, None] & dim_ok[None, :]

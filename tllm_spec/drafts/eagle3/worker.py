@@ -147,8 +147,8 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
         raise ValueError("a draft tree verifies strictly (lossless at any temperature) and drafts a fixed tree: "
                          "use_rejection_sampling and draft_len_schedule apply to chains only")
     if tree is not None and target.lm_head.weight.is_cuda:
-        raise ValueError("draft trees run on the CPU (reference attention) for now: the GPU attention kernel has "
-                         "no tree mask yet")
+        raise ValueError("draft trees run on the CPU for now: the GPU attention kernel takes the tree mask, but "
+                         "the tree step is not yet captured in CUDA graphs nor checked on a GPU")
     if tree is not None:
         tree.tensors().relative_masks()  # a tree too big for the attention mask is refused here
     ckpt = load_eagle3_checkpoint(cfg.speculative_model, target_hidden_size=target.hidden_size,
