@@ -84,3 +84,19 @@ def test_cli_config_file_with_token_prompts(tmp_path, target_with_tokenizer):
     assert "mean accepted length" in proc.stdout
     data = json.loads(out_json.read_text())
     assert data["outputs"][0]["token_ids"] == hf_greedy(target, [5, 17, 3], 4)
+
+
+def test_engines_sharing_a_target_each_attend_over_their_own_cache():
+    """Two engines over one target object (as the benchmark builds its plain engine beside the speculative one),
+    with KV caches of different sizes, used in turn: each gives its own greedy tokens, the target's greedy
+    decode. (The fused layers attend over bound cache tensors: each engine binds its own before a step.)"""
+    target_dir, head = tiny_pair("llama")
+    prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8, 30, 30, 4]] * 2
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    spec = SpecModel.from_pretrained(target_dir, eagle3(head, 3), max_batch_size=4, max_seq_len=96)
+    plain = SpecModel.from_target(spec.target, None, max_batch_size=1, max_seq_len=32)
+    assert plain.runner.num_kv_pages < spec.runner.num_kv_pages
+    expected = [hf_greedy(target_dir, p, 12) for p in prompts]
+    for _ in range(2):
+        assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+        assert [o.token_ids for o in plain.generate(prompts[:1], params)] == expected[:1]

@@ -51,8 +51,7 @@ class ModelRunner:
         if engine_config.use_fused_layers:
             target.fuse(self.max_positions_per_request)
             worker.fuse(self.max_positions_per_request)
-            if target.fused is not None:
-                target.fused.bind_kv_cache(self.kv_cache)
+            self.bind_kv_cache()
         use_graphs = device.type == "cuda" and not engine_config.enforce_eager
         self._compile_whole = use_graphs and engine_config.compile_step and self.compiles_step_whole
         if use_graphs and engine_config.compile_step and not self._compile_whole:
@@ -163,8 +162,15 @@ class ModelRunner:
         """Restart the batch random stream (rows of requests without their own seed)."""
         self.spec_metadata.reseed(seed)
 
+    def bind_kv_cache(self) -> None:
+        """Point the fused target's attention at this runner's KV cache (another engine over the same target may
+        have pointed it at its own); before every step and capture (a replayed graph keeps its capture's)."""
+        if self.target.fused is not None:
+            self.target.fused.bind_kv_cache(self.kv_cache)
+
     def prepare_graphs(self, params: Sequence[SamplingParams]) -> None:
         """Capture every bucket's graph for the sampling variants of ``params`` before the first timed step."""
+        self.bind_kv_cache()
         if self.graph_runner is not None:
             self.graph_runner.capture_all(params)
 
@@ -184,6 +190,7 @@ class ModelRunner:
         ``context_next_tokens`` the prompt tokens after a chunk that does not end its prompt (at least
         :attr:`context_lookahead` of them; () for a chunk that does; empty: none). Generation-only batches replay a
         CUDA graph when one is enabled."""
+        self.bind_kv_cache()
         k = self.max_draft_len if draft_len is None else draft_len
         next_k = self.max_draft_len if next_draft_len is None else next_draft_len
         num_gen = len(params) - len(context_lens)

@@ -35,6 +35,7 @@ class FusedDecoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.capture_ids: tuple[int, ...] = ()
         self._compiled: dict[str, list[nn.Module]] = {}  # backend -> torch.compile of each layer, on first use
+        self._bound_cache: KVCache | None = None  # the KV cache the layers' attention tensors belong to
 
     @staticmethod
     def supports(hf_model: PreTrainedModel) -> bool:
@@ -83,10 +84,15 @@ class FusedDecoder(nn.Module):
         return run_layers(self._compiled[backend], self.capture_ids, hidden, rope, attn)
 
     def bind_kv_cache(self, kv_cache: KVCache) -> None:
-        """Each layer attends over its own layer of ``kv_cache`` as tensors (see :meth:`Attention.bind_kv_cache`)."""
+        """Each layer attends over its own layer of ``kv_cache`` as tensors (see :meth:`Attention.bind_kv_cache`).
+        Engines that share this target (each with its cache) bind theirs before each of their steps; a no-op
+        while the cache stays the same."""
+        if self._bound_cache is kv_cache:
+            return
         for layer in self.layers:
             attn = layer.self_attn
             attn.bind_kv_cache(kv_cache.k[attn.kv_layer], kv_cache.v[attn.kv_layer])
+        self._bound_cache = kv_cache
 
 
 _layer_backend = ["inductor"]  # the torch.compile backend of the layers of a compiled step (layer_backend)
