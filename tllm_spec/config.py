@@ -292,7 +292,8 @@ class EngineConfig(_Frozen):
                                    "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "
                                    "gate/up GEMMs; False: the stock HF modules")
     compile_step: bool = Field(True, description="CUDA: torch.compile the step each CUDA graph captures: whole "
-                               "(target, acceptance, sampling, draft passes) on a fused single-GPU target; "
+                               "(acceptance, sampling, draft passes; the decoder layers one compiled layer each) "
+                               "on a fused single-GPU target; "
                                "else the decoder (stock layers one by one) and the EAGLE-3 head's passes; "
                                "ignored on CPU and with enforce_eager")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) the target is split over; "

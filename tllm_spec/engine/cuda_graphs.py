@@ -7,8 +7,9 @@ Inputs live in one static int64 buffer (token ids, positions, slots, drafts), re
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
 to its bucket with greedy dummy requests whose block-table row points only at the scratch page, so their
 K/V writes land where nobody reads. Target verify, acceptance, sampling and all K draft passes replay as
-one graph. With ``compile_step`` on a fused single-GPU target, the step is one torch.compile graph (target
-layers, acceptance, sampling, draft passes; dynamic shapes, so one compilation serves every bucket above 1)
+one graph. With ``compile_step`` on a fused single-GPU target, the step is compiled whole (embedding,
+acceptance, sampling, draft passes fused; dynamic shapes, so one compilation serves every bucket above 1) but for
+the decoder layers, which run one compiled layer each (one compilation serves all layers: ``FusedDecoder``),
 replayed inside each CUDA graph.
 """
 from __future__ import annotations
