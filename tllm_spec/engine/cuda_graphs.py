@@ -28,7 +28,6 @@ from ..model.decoder import layer_backend
 from ..model.kv_cache import KVCache
 from ..model.layers import COMPILE_OPTIONS
 from ..one_model import OneModel
-from ..sampling import flashinfer_ops
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy
@@ -142,11 +141,10 @@ class CUDAGraphRunner:
         mixing requests may have a variant none of them has alone (a sampled one beside a greedy one asking for
         logprobs): that one is captured on first use."""
         examples = {sampling_variant([p]): p for p in params}
-        if any(not variant[0] for variant in examples):  # FlashInfer's JIT build runs beside the greedy compiles
-            flashinfer_ops.start_sampling_build(self.model.device)
         pairs = self._bucket_draft_lens()
         todo = [(size, k, variant, example) for variant, example in sorted(examples.items(), reverse=True)
-                for size, k in pairs if (size, k, k, *variant) not in self.graphs]  # greedy variants first
+                for size, k in pairs if (size, k, k, *variant) not in self.graphs]  # greedy first: FlashInfer's
+        # JIT build, started with the runner (flashinfer_ops.start_sampling_build), goes on beside them
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
         for size, k, variant, example in bar:
             bar.set_postfix_str(f"batch {size}, {k} drafts, {variant_name(variant)}")

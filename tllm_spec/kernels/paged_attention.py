@@ -173,9 +173,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 if triton is not None:
-    TREE_WINDOW_C = tl.constexpr(TREE_WINDOW)
     from .attention_merge import split_bounds, split_chunk
     from .dependent_launch import prefetch_l2, wait_and_release
+
+    TREE_WINDOW_C = tl.constexpr(TREE_WINDOW)  # the kernel reads globals only as constexprs
 
     @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr,

@@ -2,7 +2,7 @@
 (prompt chunks, mixed steps), where the stock ops would read and write the [M, I] intermediate three times.
 
 Rounds where the stock ops round: silu's result to the input dtype, then the product; its exponential and
-division are CUDA's correctly rounded ones (libdevice's expf, IEEE division), as torch's kernel computes them.
+division are the ones torch's CUDA kernel uses (libdevice's expf, an IEEE division).
 """
 from __future__ import annotations
 

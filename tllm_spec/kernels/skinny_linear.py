@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..model.rotary import apply_rotary
 from . import dependent_launch
+from .silu_mul import silu_mul_ref
 
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
@@ -58,8 +59,7 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     head of D (the stock ``apply_rotary``)."""
     y = F.linear(x, weight, bias)
     if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
+        y = silu_mul_ref(y)
     if rope_cos is not None:
         heads = y[:, :rotary_cols].view(y.shape[0], -1, rope_cos.shape[-1])
         rotated = apply_rotary(heads, rope_cos[:, None], rope_sin[:, None])

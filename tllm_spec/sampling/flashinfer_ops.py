@@ -50,20 +50,19 @@ _build_lock = threading.Lock()
 _build_thread: threading.Thread | None = None
 
 
-def start_sampling_build(device: torch.device) -> bool:
+def start_sampling_build(device: torch.device) -> None:
     """Build (or load from its cache) FlashInfer's sampling module on a background thread, so a start-up spends
-    the JIT build's minutes beside torch.compile instead of after it. True if a build is started or done; False
-    where FlashInfer is not used (off CUDA, or missing). :func:`wait_sampling_build` joins it."""
+    the JIT build's minutes beside torch.compile instead of after it; nothing where FlashInfer is not used (off
+    CUDA, or missing), or once started. :func:`wait_sampling_build` joins it."""
     global _build_thread
     if not available(device):
-        return False
+        return
     with _build_lock:
         if _build_thread is None:
             fi = load_flashinfer()  # imported here, on the caller's thread; the thread only builds
             _build_thread = threading.Thread(target=_build_sampling_module, args=(fi,), daemon=True,
                                              name="tllm_spec-flashinfer-build")
             _build_thread.start()
-    return True
 
 
 def _build_sampling_module(fi: types.ModuleType) -> None:
