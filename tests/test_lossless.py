@@ -93,20 +93,21 @@ def test_max_seq_len_stops_with_length():
 
 
 def test_dense_prefill_attention_matches_paged_reference():
-    """The GPU prefill path (dense causal attention per prompt) equals the paged reference on CPU."""
+    """The GPU prefill path (dense causal attention, one call per run of equal prompt lengths) equals the paged
+    reference on CPU."""
     import torch
 
     from tllm_spec.kernels.paged_attention import paged_attention_ref
     from tllm_spec.model.attention import prefill_attention
 
     torch.manual_seed(0)
-    lens, hq, hkv, d, page = (5, 1, 12), 4, 2, 16, 4
-    n = sum(lens)
+    lens, hq, hkv, d, page = (5, 5, 1, 12, 12, 12, 5), 4, 2, 16, 4
+    n, num = sum(lens), len(lens)
     q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-    slots = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    slots = torch.repeat_interleave(torch.arange(num), torch.tensor(lens))
     positions = torch.cat([torch.arange(m) for m in lens])
-    block_tables = torch.arange(1, 13, dtype=torch.int32).view(3, 4)
-    k_cache = torch.zeros(13, page, hkv, d)
+    block_tables = torch.arange(1, 4 * num + 1, dtype=torch.int32).view(num, 4)
+    k_cache = torch.zeros(4 * num + 1, page, hkv, d)
     v_cache = torch.zeros_like(k_cache)
     index = block_tables[slots, positions // page].long() * page + positions % page
     k_cache.view(-1, hkv, d)[index] = k

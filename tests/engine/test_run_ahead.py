@@ -119,3 +119,44 @@ def test_sampled_requests_with_seeds_run_ahead_as_in_eager(monkeypatch):
     monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
     in_step, expected = graphed.generate(prompts, batch_stream, seed=5), eager.generate(prompts, batch_stream, seed=5)
     assert [(o.token_ids, o.stats) for o in in_step] == [(o.token_ids, o.stats) for o in expected]
+
+
+def test_prompts_joining_a_graphed_batch_run_beside_its_graph(monkeypatch):
+    """A step where new prompts join decoding requests replays the decoders' graph and runs the prompts as an
+    eager step of their own: outputs, acceptance and sampled tokens (request seeds) equal an engine without graphs
+    (rows of the batch stream draw other numbers: the two parts number their rows apart); with logprobs asked on
+    one side only, the batch runs as one eager step."""
+    target, head = tiny_pair("llama")
+    prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, top_p=0.95,
+                             seed=40 + i) for i, n in enumerate([20, 9, 17, 25, 12])]
+    graphed = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=2)
+    graphed.runner.graph_runner = graphed.runner.new_graph_runner()
+    eager = SpecModel.from_pretrained(target, eagle3(head, K), dtype=torch.float32, max_batch_size=2)
+    beside: list[int] = []  # generation requests replayed in steps that also prefill
+    graph_run, eager_step = CUDAGraphRunner.run, type(graphed.runner)._eager_step
+
+    def run(self, ids, positions, slots, drafts, params, *args):
+        beside.append(len(params))
+        return graph_run(self, ids, positions, slots, drafts, params, *args)
+
+    def prompt_step(self, ids, positions, slots, drafts, params, context_lens, *args):
+        if beside and beside[-1] > 0 and context_lens:
+            beside[-1] = -beside[-1]  # marks the last graph run as launched beside a prompt step
+        return eager_step(self, ids, positions, slots, drafts, params, context_lens, *args)
+    monkeypatch.setattr(CUDAGraphRunner, "run", run)
+    monkeypatch.setattr(type(graphed.runner), "_eager_step", prompt_step)
+    got, expected = graphed.generate(prompts, params, seed=3), eager.generate(prompts, params, seed=3)
+    assert sum(n < 0 for n in beside) >= 3  # three requests waited for a slot and joined a decoding one
+    assert [(o.token_ids, o.stats) for o in got] == [(o.token_ids, o.stats) for o in expected]
+    for i, out in enumerate(got):
+        if params[i].is_greedy:
+            assert out.token_ids == hf_greedy(target, prompts[i], params[i].max_new_tokens)
+    beside.clear()
+    with_logprobs = [p.model_copy(update={"logprobs": 2}) if i in (0, 2) else p for i, p in enumerate(params)]
+    got, expected = graphed.generate(prompts, with_logprobs, seed=3), eager.generate(prompts, with_logprobs, seed=3)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for out, ref in zip(got, expected):  # computed over other batches: equal to float32 rounding
+        assert (out.logprobs is None) == (ref.logprobs is None)
+        if out.logprobs is not None:
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs))

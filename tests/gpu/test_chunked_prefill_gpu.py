@@ -5,7 +5,7 @@ import torch
 
 from tllm_spec import SamplingParams, SpecModel
 from tllm_spec.kernels.paged_attention import paged_attention_ref
-from tllm_spec.model.attention import cached_prefix_attention
+from tllm_spec.model.attention import cached_prefix_attention, prefill_attention, varlen_causal_attention
 
 from ..models import eagle3, hf_greedy, tiny_pair
 
@@ -28,6 +28,36 @@ def test_cached_prefix_attention_matches_reference(start, n, dtype):
     ref = paged_attention_ref(q, k_cache, v_cache, block_table, slots, positions, d ** -0.5, start + n)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_attention_of_a_batch_matches_reference(dtype, window):
+    """A prompt step's attention over prompts of mixed and equal lengths (one varlen flash call in bf16 where
+    torch has it, SDPA per run of equal lengths otherwise) against the paged reference."""
+    torch.manual_seed(1)
+    lens, page, hq, hkv, d = (1, 37, 128, 128, 300, 64), 16, 32, 8, 128
+    n, num = sum(lens), len(lens)
+    q = torch.randn(n, hq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+    slots = torch.repeat_interleave(torch.arange(num, device="cuda"), torch.tensor(lens, device="cuda"))
+    positions = torch.cat([torch.arange(m, device="cuda") for m in lens])
+    per_request = -(-max(lens) // page)
+    block_tables = torch.arange(1, num * per_request + 1, dtype=torch.int32, device="cuda").view(num, per_request)
+    k_cache = torch.zeros(num * per_request + 1, page, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    index = block_tables[slots, positions // page].long() * page + positions % page
+    k_cache.view(-1, hkv, d)[index] = k
+    v_cache.view(-1, hkv, d)[index] = v
+    ref = paged_attention_ref(q, k_cache, v_cache, block_tables, slots, positions, d ** -0.5, max(lens), window)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(prefill_attention(q, k, v, lens, d ** -0.5, window).float(), ref.float(),
+                               atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        varlen = varlen_causal_attention(q, k, v, lens, d ** -0.5, window)
+        print("varlen_attn:", "used" if varlen is not None else "unavailable in this torch")
+        if varlen is not None:
+            torch.testing.assert_close(varlen.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("chunk", [5, 16])

@@ -84,3 +84,31 @@ def test_cached_prefix_attention_in_bfloat16():
     out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 10, SCALE)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("takes,window,expected", [
+    ({"is_causal"}, None, {"is_causal": True}),  # the first varlen_attn: no scale, grouped heads repeated
+    ({"is_causal"}, 3, None),  # nor a sliding window: the SDPA path
+    ({"scale", "window_size"}, None, {"scale": 0.25, "window_size": (-1, 0)}),
+    ({"scale", "window_size"}, 3, {"scale": 0.25, "window_size": (2, 0)}),
+    ({"scale", "window_size", "enable_gqa"}, 3, {"scale": 0.25, "window_size": (2, 0), "enable_gqa": True}),
+])
+def test_varlen_call_matches_the_torch_version(monkeypatch, takes, window, expected):
+    """What ``varlen_causal_attention`` passes to each generation of torch's varlen_attn: causality, the window
+    as flash's left extent (window - 1: our mask's key j > i - window), the scale, and K/V heads (grouped, or
+    repeated to the query heads)."""
+    import tllm_spec.model.attention as attention
+    calls = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append((k.shape[1], cu_q.tolist(), max_q, kwargs))
+        return q
+    monkeypatch.setattr(attention, "_VARLEN", (varlen_attn, takes))
+    q, k = torch.randn(12, 4, 16), torch.randn(12, 2, 16)
+    out = attention.varlen_causal_attention(q, k, k, (5, 7), 0.25, window)
+    if expected is None:
+        assert out is None and not calls
+        return
+    heads = 2 if "enable_gqa" in takes else 4
+    assert calls == [(heads, [0, 5, 12], 7, expected)]
+    assert attention.varlen_causal_attention(q, k, k, (5, 7), 0.5, window) is None or "scale" in takes

@@ -9,7 +9,7 @@ import torch
 
 from ..config import EngineConfig, SamplingParams
 from ..drafts.base import SpecWorkerBase
-from ..drafts.metadata import SpecMetadata
+from ..drafts.metadata import SpecMetadata, sampling_variant
 from ..guided.decoder import GuidedDecoder
 from ..guided.grammar import GrammarCompiler
 from ..model.attention import AttentionMetadata
@@ -188,14 +188,44 @@ class ModelRunner:
         ``next_draft_len``: drafts to propose (both default max_draft_len). Chunked prefill: ``context_lens`` are
         the prompt tokens of each context request in this step, from position ``context_starts`` (empty: 0), and
         ``context_next_tokens`` the prompt tokens after a chunk that does not end its prompt (at least
-        :attr:`context_lookahead` of them; () for a chunk that does; empty: none). Generation-only batches replay a
-        CUDA graph when one is enabled."""
+        :attr:`context_lookahead` of them; () for a chunk that does; empty: none). Generation requests replay a
+        CUDA graph when one is enabled (:meth:`_graphs_generation`)."""
         self.bind_kv_cache()
         k = self.max_draft_len if draft_len is None else draft_len
         next_k = self.max_draft_len if next_draft_len is None else next_draft_len
+        num_ctx = len(context_lens)
+        if self._graphs_generation(params, num_ctx):
+            tokens = sum(context_lens)
+            gen = self.graph_runner.run(ids[tokens:], positions[tokens:], slots[tokens:], drafts, params[num_ctx:],
+                                        k, next_k)
+            if not num_ctx:
+                return gen
+            ctx = self._eager_step(ids[:tokens], positions[:tokens], slots[:tokens], [], params[:num_ctx],
+                                   context_lens, k, next_k, context_starts, context_next_tokens)
+            return torch.cat([ctx, gen])  # copied before any later replay overwrites the graph's output
+        return self._eager_step(ids, positions, slots, drafts, params, context_lens, k, next_k, context_starts,
+                                context_next_tokens)
+
+    def _graphs_generation(self, params: list[SamplingParams], num_ctx: int) -> bool:
+        """Whether the step's generation requests replay a CUDA graph: always when there is no prompt chunk, and
+        beside one too (the prompt chunks then run as an eager step of their own, launched after the graph: an
+        eager step over the whole batch would cost every running stream several graphed steps' time), unless
+        guided decoding or a draft tree needs the batch's rows together, or the two parts' packed outputs
+        differ in width (logprobs asked on one side only)."""
+        gen = params[num_ctx:]
+        if self.graph_runner is None or not gen or not self.graph_runner.bucket(len(gen)):
+            return False
+        if not num_ctx:
+            return True
+        return (self.worker.guided_decoder is None and getattr(self.worker, "tree_step", None) is None
+                and sampling_variant(params[:num_ctx])[2] == sampling_variant(gen)[2])
+
+    def _eager_step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
+                    params: list[SamplingParams], context_lens: tuple[int, ...], k: int, next_k: int,
+                    context_starts: tuple[int, ...], context_next_tokens: tuple[tuple[int, ...], ...]
+                    ) -> torch.Tensor:
+        """:meth:`step` without a CUDA graph, on the fully resolved draft lengths."""
         num_gen = len(params) - len(context_lens)
-        if self.graph_runner is not None and not context_lens and self.graph_runner.bucket(num_gen):
-            return self.graph_runner.run(ids, positions, slots, drafts, params, k, next_k)
         self.spec_metadata.prepare(params, context_lens, k, next_k)
         self.spec_metadata.prepare_chunks(context_starts, context_next_tokens)
         device = self.device

@@ -6,6 +6,8 @@ argument, which transformers forwards from the model call to every attention fun
 """
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -203,20 +205,85 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,
                       sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention within each prompt of a packed batch. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D]."""
+    """Causal attention within each prompt of a packed batch. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
+
+    One kernel for the whole batch where it can: torch's variable-length flash attention on CUDA (bf16/fp16,
+    where this torch has it), else one SDPA call per run of consecutive prompts of equal length. A call per
+    prompt would cost each layer of an eager prompt step tens of host microseconds per prompt."""
+    if len(lens) > 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out = varlen_causal_attention(q, k, v, lens, scale, sliding_window)
+        if out is not None:
+            return out
     out = torch.empty_like(q)
     start = 0
-    for n in lens:
-        qs, ks, vs = (x[start:start + n].transpose(0, 1)[None].to(q.dtype) for x in (q, k, v))  # [1, H, n, D]
+    for n, count in _equal_runs(lens):
+        rows = slice(start, start + n * count)
+        qs, ks, vs = (x[rows].unflatten(0, (count, n)).transpose(1, 2).to(q.dtype) for x in (q, k, v))  # [c, H, n, D]
         mask = None
         if sliding_window is not None:  # an explicit mask; plain causal keeps the flash kernels eligible
             pos = torch.arange(n, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=qs.shape[1] != ks.shape[1])
-        out[start:start + n] = o[0].transpose(0, 1)
-        start += n
+        out[rows] = o.transpose(1, 2).flatten(0, 1)
+        start += n * count
     return out
+
+
+def _equal_runs(lens: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(length, count) for each run of consecutive equal lengths: (5, 5, 3) -> [(5, 2), (3, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for n in lens:
+        if runs and runs[-1][0] == n:
+            runs[-1] = (n, runs[-1][1] + 1)
+        else:
+            runs.append((n, 1))
+    return runs
+
+
+def _varlen_attn():
+    """torch's ``varlen_attn`` and the keywords it takes of ``scale``, ``window_size``, ``enable_gqa`` (each came
+    in a later torch than the last; its first version takes ``is_causal``); None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, {name for name in ("scale", "window_size", "enable_gqa", "is_causal") if name in params}
+
+
+_VARLEN = _varlen_attn()
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...],
+                            scale: float, sliding_window: int | None = None) -> torch.Tensor | None:
+    """:func:`prefill_attention` as one variable-length flash-attention call (CUDA, bf16/fp16), or None where this
+    torch cannot take these arguments (no ``varlen_attn``, or one without the scale or sliding window asked for;
+    grouped K/V heads are repeated for a version that does not take them)."""
+    if _VARLEN is None:
+        return None
+    varlen_attn, takes = _VARLEN
+    kwargs: dict = {}
+    if "window_size" in takes:
+        kwargs["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    elif sliding_window is None and "is_causal" in takes:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "scale" in takes:
+        kwargs["scale"] = scale
+    elif scale != q.shape[-1] ** -0.5:
+        return None
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in takes:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu_seq = torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32, device=q.device)
+    longest = max(lens)
+    return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, **kwargs)
 
 
 @torch.compiler.disable  # compiled decoder layers call into our kernels eagerly: one graph for all layers
