@@ -174,8 +174,8 @@ def sample_tree(tree: DraftTree, draft: torch.Tensor, root_token: int, trials: i
     return token
 
 
-@pytest.mark.parametrize("name", ["binary2", "eagle_like", "chain3"])
-def test_sampled_tree_verification_keeps_the_targets_distribution(name):
+@pytest.mark.parametrize("name,support", [("binary2", 4), ("eagle_like", 4), ("chain3", 4), ("eagle_like", 2)])
+def test_sampled_tree_verification_keeps_the_targets_distribution(name, support):
     """Markov target and draft over 4 tokens: the first three tokens a step emits (completed by sampling the
     target, as the next steps would) follow the target's own joint distribution, cell by cell within 5 sigma."""
     from tllm_spec.drafts.tree import tree_rejection_sample
@@ -183,10 +183,21 @@ def test_sampled_tree_verification_keeps_the_targets_distribution(name):
     gen = torch.Generator().manual_seed(3)
     target = torch.softmax(2 * torch.randn(vocab, vocab, generator=gen), dim=1)  # P(next | last)
     draft = torch.softmax(2 * torch.randn(vocab, vocab, generator=gen), dim=1)
+    if support < vocab:  # a draft top-k: nodes with more children than q has tokens draw some from outside it
+        kept = draft.topk(support, dim=1).indices
+        draft = torch.zeros_like(draft).scatter(1, kept, draft.gather(1, kept))
+        draft /= draft.sum(1, keepdim=True)
     tree = DraftTree.from_choices(TREES[name])
     tokens = sample_tree(tree, draft, 0, trials, gen)
-    num, out = tree_rejection_sample(tree, target[tokens], draft[tokens], tokens[:, 1:], gen)
+    streams = torch.full((trials,), 3), torch.arange(trials)  # one stream per trial
+    num, out, path = tree_rejection_sample(tree, target[tokens], draft[tokens], tokens[:, 1:], *streams)
     assert (num >= 1).all() and (num <= tree.max_depth + 1).all()
+    parents, depths = torch.tensor(tree.parents), torch.tensor(tree.depths)
+    for j in range(1, tree.max_depth + 1):  # the path: accepted children from the root, their tokens emitted
+        on = j < num
+        assert (parents[path[on, j]] == path[on, j - 1]).all() and (depths[path[on, j]] == j).all()
+        assert torch.equal(tokens.gather(1, path)[on, j], out[on, j - 1])
+        assert torch.equal(path[~on, j], path[~on, j - 1])  # padded with the last node
     seq = torch.zeros(trials, 3, dtype=torch.int64)
     last = torch.zeros(trials, dtype=torch.int64)
     for j in range(3):

@@ -19,9 +19,9 @@ TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0,
 
 
 @functools.cache
-def demo(choices: tuple | None, depth: int, **engine) -> SpecModel:
+def demo(choices: tuple | None, depth: int, rejection: bool = False, **engine) -> SpecModel:
     spec = None if depth == 0 else Eagle3Config(
-        speculative_model="demo://eagle3", max_draft_len=depth,
+        speculative_model="demo://eagle3", max_draft_len=depth, use_rejection_sampling=rejection,
         eagle_choices=[list(c) for c in choices] if choices else None)
     return SpecModel.from_pretrained("demo://target", spec, dtype="float32", device="cpu", max_batch_size=4, **engine)
 
@@ -61,15 +61,29 @@ def test_forced_acceptance_follows_the_most_likely_children(monkeypatch):
     assert all(set(o.stats.accepted_per_step[:-1]) == {3} for o in outs)  # the last step is cut by max tokens
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"use_rejection_sampling": True}, "chains only"),
-    ({"draft_len_schedule": {1: 2, 4: 1}}, "chains only"),
-])
-def test_what_a_tree_cannot_do_yet_is_refused(extra, message):
+def test_a_draft_len_schedule_with_a_tree_is_refused():
     target, head = tiny_pair("llama")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match="chains only"):
         SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=2,
-                                                       eagle_choices=[[0], [1], [0, 0]], **extra))
+                                                       eagle_choices=[[0], [1], [0, 0]],
+                                                       draft_len_schedule={1: 2, 4: 1}))
+
+
+def test_sampled_trees_with_rejection_sampling():
+    """Rejection sampling on a tree: greedy requests in the batch keep the target's greedy output, seeded sampled
+    requests are reproducible whatever the batch order, and sampled requests accept more per step than strict
+    verification of the same tree (the emitted tokens' distribution: tests/sampling/test_rejection.py)."""
+    rejection = demo(tuple(tuple(c) for c in TREE), 4, rejection=True)
+    greedy = SamplingParams(max_new_tokens=40)
+    sampled = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=21 + i) for i in range(3)]
+    outs = rejection.generate(PROMPTS, [greedy, *sampled])
+    assert outs[0].token_ids == demo(None, 0).generate(PROMPTS[:1], greedy)[0].token_ids
+    again = rejection.generate(PROMPTS[::-1], [*sampled[::-1], greedy])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again][::-1]
+    many = [SamplingParams(max_new_tokens=48, temperature=1.0, seed=s) for s in range(8)]
+    prompts = PROMPTS * 2
+    strict = tree_model().generate(prompts, many).stats["mean_accepted_length"]
+    assert rejection.generate(prompts, many).stats["mean_accepted_length"] > strict * 1.1
 
 
 def test_dynamic_trees_are_refused_at_load():

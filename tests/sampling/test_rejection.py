@@ -117,3 +117,17 @@ def test_greedy_requests_keep_exact_verification():
     outs = model.generate(prompts, params, seed=2)
     assert outs[0].token_ids == hf_greedy(target, prompts[0], 10)
     assert outs[2].token_ids == hf_greedy(target, prompts[2], 10)
+
+
+@pytest.mark.parametrize("request_seeds", [False, True])
+def test_end_to_end_distribution_of_a_sampled_tree(request_seeds):
+    """A tree of three first drafts (and children) drawn without replacement and verified by recursive rejection
+    sampling: the first two emitted tokens (the second through the tree) follow the target's joint distribution."""
+    target, head = tiny_pair("llama", vocab_size=V, seed=4)
+    cfg = Eagle3Config(speculative_model=str(head), max_draft_len=2, eagle_choices=[[0], [1], [2], [0, 0], [1, 0]],
+                       use_rejection_sampling=True)
+    model = SpecModel.from_pretrained(target, cfg, max_batch_size=64)
+    counts, stats = sample_pairs(model, 1.0, seed=8, request_seeds=request_seeds)
+    assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3
+    assert stats["acceptance_rate_per_position"][0] > 0.05
+    assert pvalue(counts, exact_joint(target, 0.6)) < 1e-4  # the check has power

@@ -39,6 +39,7 @@ class SpecWorkerBase(nn.Module, ABC):
         self.forced_value = torch.zeros((), dtype=torch.float64)
         self.forced_num_accepted = read_forced_num_accepted()
         self.draft_probs: torch.Tensor | None = None  # [slots, K, V] f32: what each slot's drafts were drawn from
+        # (a tree's: [slots, P, V], one per node with children)
         self.guided_decoder: GuidedDecoder | None = None
 
     @property
@@ -55,8 +56,13 @@ class SpecWorkerBase(nn.Module, ABC):
         """Per-request device state kept across steps (indexed by KV slot): the draft distributions that
         rejection sampling verifies against at the next step; the forced count."""
         if self.use_rejection_sampling:
-            self.draft_probs = torch.zeros(num_slots, self.max_draft_len, vocab_size, device=device)
+            self.draft_probs = torch.zeros(num_slots, self.draft_prob_rows, vocab_size, device=device)
         self.forced_value = self.forced_value.to(device)
+
+    @property
+    def draft_prob_rows(self) -> int:
+        """Draft distributions kept per request for rejection sampling: one per draft of a chain."""
+        return self.max_draft_len
 
     @abstractmethod
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import rng
+
+_SALT_TREE_ACCEPT, _SALT_TREE_DRAW = 0x7EE1, 0x7EE2
+
 # The default tree for batch 1 (25 drafts, 7 deep): the most likely chain, its first three alternatives at depth 1
 # and second-best children along it. Chosen on the demo pair's held-out prompts at T=0 (8 prompts x 64 tokens):
 # 5.71 tokens a step, against 3.23 for a chain of 3 and 4.51 for a chain of 6.
@@ -233,9 +237,20 @@ def tree_children(tree: DraftTree) -> list[list[int]]:
     return [sorted(c, key=lambda n: ranks[n]) for c in children]
 
 
+def parent_rows(tree: DraftTree) -> list[int]:
+    """[N+1]: the row of each node's draft distribution among the nodes with children (the root's is 0), -1 for
+    a leaf: the layout of the per-request draft distributions a sampled tree keeps (only a parent's children are
+    drawn from one)."""
+    children, rows, next_row = tree_children(tree), [], 0
+    for node in range(tree.num_nodes + 1):
+        rows.append(next_row if children[node] else -1)
+        next_row += bool(children[node])
+    return rows
+
+
 def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                          draft_tokens: torch.Tensor, generator: torch.Generator | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          draft_tokens: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+                          prob_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless verification of sampled tree drafts (recursive rejection sampling without replacement, the
     multi-draft rule of SpecInfer / EAGLE-2 sampling): the emitted tokens are distributed as the target's own.
 
@@ -244,47 +259,61 @@ def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_pro
     Gumbel top-k). From the root: child c (in rank order) is accepted with probability min(1, p(x_c) / q(x_c));
     on a rejection p becomes norm(max(p - q, 0)) and q loses x_c (renormalised); the first accepted child becomes
     the node and verification goes on below it; when every child is rejected a token is drawn from the last p
-    and the step ends; a leaf reached emits a bonus token drawn from its target distribution.
+    and the step ends; a leaf reached emits a bonus token drawn from its target distribution. A child whose
+    token q gives no mass (drawn after q's support ran out: a Gumbel top-k wider than the support) is skipped,
+    as if it had not been drawn.
 
-    target_probs, draft_probs [B, N+1, V] (at the root and every node: the target's and the draft's next-token
-    distributions); draft_tokens [B, N]. Returns (num_accepted [B]: tokens emitted, the last drawn; tokens
-    [B, D+1], the first num_accepted valid). A torch reference (one loop per depth and child rank)."""
+    target_probs [B, N+1, V] (the target's next-token distribution at the root and at every node); draft_probs
+    [B, P, V] (the draft's at each node with children, row ``prob_rows[node]``; default P = N+1, row = node);
+    draft_tokens [B, N]. seed, offset: [1] int64 (the batch stream, advanced in place) or [B] (per-request
+    streams). Returns (num_accepted [B]: tokens emitted, the last one drawn; tokens [B, D+1], the first
+    num_accepted valid; path [B, D+1]: the accepted nodes from the root, padded with the last). Device ops, no
+    host sync (one loop per depth and child rank, over the tree's host structure)."""
     num_requests = target_probs.shape[0]
     device = target_probs.device
     children = tree_children(tree)
     rows = torch.arange(num_requests, device=device)
+    if prob_rows is None:
+        prob_rows = torch.arange(tree.num_nodes + 1, device=device)
     node = torch.zeros(num_requests, dtype=torch.int64, device=device)
     alive = torch.ones(num_requests, dtype=torch.bool, device=device)
-    tokens = torch.zeros(num_requests, tree.max_depth + 1, dtype=torch.int64, device=device)
+    depths = tree.max_depth + 1
+    tokens = torch.zeros(num_requests, depths, dtype=torch.int64, device=device)
+    path = torch.zeros(num_requests, depths, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
     width = max(len(c) for c in children)
     child_table = torch.tensor([c + [-1] * (width - len(c)) for c in children], device=device)  # [N+1, W]
-    for depth in range(tree.max_depth + 1):
-        p = target_probs[rows, node].clone()  # [B, V]
-        q = draft_probs[rows, node].clone()
+    draws = rng.uniform(seed, offset, (num_requests, depths * width + 1), salt=_SALT_TREE_ACCEPT)
+    noise = -torch.log(rng.uniform(seed, offset, (num_requests, target_probs.shape[-1]), salt=_SALT_TREE_DRAW))
+    ending_p = torch.zeros_like(target_probs[:, 0])
+    for depth in range(depths):
+        p = target_probs[rows, node]  # [B, V]
+        q = draft_probs[rows, prob_rows[node].clamp(min=0)]  # a leaf's row is never read: it has no children
         moved = torch.zeros(num_requests, dtype=torch.bool, device=device)
-        next_node = node.clone()
+        next_node = node
         for rank in range(width):
             child = child_table[node, rank]  # [B]
-            trying = alive & ~moved & (child >= 0)
             x = draft_tokens[rows, (child - 1).clamp(min=0)]  # [B]
             p_x, q_x = p[rows, x], q[rows, x]
-            u = torch.rand(num_requests, generator=generator, device=device)
-            accept = trying & (u * q_x < p_x)  # u < p / q, and q_x > 0 for a token drawn from q
+            trying = alive & ~moved & (child >= 0) & (q_x > 0)
+            accept = trying & (draws[:, depth * width + rank] * q_x < p_x)  # u < p / q
             moved |= accept
             next_node = torch.where(accept, child, next_node)
             tokens[:, depth] = torch.where(accept, x, tokens[:, depth])
-            reject = trying & ~accept
+            reject = (trying & ~accept)[:, None]
             residual = (p - q).clamp(min=0)
-            residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
-            p = torch.where(reject[:, None], residual, p)
+            p = torch.where(reject, residual / residual.sum(-1, keepdim=True).clamp(min=1e-30), p)
             q_without = q.scatter(1, x[:, None], 0.0)
-            q_without = q_without / q_without.sum(-1, keepdim=True).clamp(min=1e-30)
-            q = torch.where(reject[:, None], q_without, q)
+            q = torch.where(reject, q_without / q_without.sum(-1, keepdim=True).clamp(min=1e-30), q)
         ending = alive & ~moved  # every child rejected, or a leaf: draw from what p has become
-        drawn = torch.multinomial(p.clamp(min=0) + (~ending)[:, None].float(), 1, generator=generator)[:, 0]
-        tokens[:, depth] = torch.where(ending, drawn, tokens[:, depth])
+        ending_p = torch.where(ending[:, None], p, ending_p)
         num_accepted = torch.where(ending, depth + 1, num_accepted)
         alive &= moved
         node = next_node
-    return num_accepted, tokens
+        if depth + 1 < depths:
+            path[:, depth + 1] = node
+    last = (num_accepted - 1)[:, None]
+    drawn = (ending_p / noise).argmax(-1)  # exponential race: a draw from ending_p / its sum
+    tokens = tokens.scatter(1, last, drawn[:, None])
+    rng.advance(seed)
+    return num_accepted, tokens, path

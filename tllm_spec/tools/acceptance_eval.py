@@ -58,14 +58,14 @@ def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[in
                  ) -> dict[str, SpecConfig]:
     """Named speculative configs to evaluate; ``mtp == "target"`` reads MTP weights from the target dir. Sampled
     requests (T > 0) are verified by rejection sampling; greedy ones by exact argmax comparison either way. With
-    ``tree`` (eagle_choices) also the EAGLE-3 head drafting that static tree ("eagle3-tree", verified strictly at
-    every temperature, which is lossless for a tree: each node's token is the target's own draw)."""
+    ``tree`` (eagle_choices) also the EAGLE-3 head drafting that static tree ("eagle3-tree"; sampled requests'
+    children drawn without replacement and verified by recursive rejection sampling)."""
     heads: dict[str, SpecConfig] = {}
     if eagle3:
         heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k, use_rejection_sampling=True)
     if eagle3 and tree:
         heads["eagle3-tree"] = Eagle3Config(speculative_model=eagle3, max_draft_len=max(len(c) for c in tree),
-                                            eagle_choices=tree)
+                                            eagle_choices=tree, use_rejection_sampling=True)
     if mtp:
         heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, use_rejection_sampling=True,
                                  mtp_checkpoint=None if mtp == "target" else mtp)

@@ -8,6 +8,12 @@ drafts equal the target's token at their parents (:func:`tree_greedy_accept`), w
 temperature (each node's token is the target's own draw given its path; a child is followed only when it is that
 draw). Drafting: the children of a node are its head distribution's top tokens by rank; depth d's nodes with
 children go through the head together, at rows base' + index, rotated by base' + d.
+
+With rejection sampling (``use_rejection_sampling``), a sampled request's children are drawn without replacement
+from the head's distribution at its temperature / top-k / top-p (a Gumbel top-k on the request's own random
+stream), that distribution is kept per request and node with children, and the next step verifies the tree by
+recursive rejection sampling (:func:`tree_rejection_sample`): lossless, and more drafts survive than strict
+acceptance lets through. Greedy requests keep the ranked children and the greedy path.
 """
 from __future__ import annotations
 
@@ -16,7 +22,9 @@ import torch.nn.functional as F
 
 from ...model.attention import AttentionMetadata
 from ...model.kv_cache import KVCache
+from ...sampling import rng, sampler
 from ...sampling.forcing import forced_num_accepted
+from ...sampling.rejection import full_vocab_probs
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
 from ..tree import (
@@ -24,11 +32,14 @@ from ..tree import (
     TreeTensors,
     compact_path_kv,
     forced_tree_path,
+    parent_rows,
     tree_children,
     tree_greedy_accept,
+    tree_rejection_sample,
 )
 
 ALL_VISIBLE = (1 << 63) - 1  # a tree mask that hides nothing (a prompt token's or a chain's)
+_SALT_CHILDREN = 0xC41D  # the Gumbel noise of a sampled request's children
 
 
 class TreeStep:
@@ -41,6 +52,9 @@ class TreeStep:
     def to(self, device: torch.device | str) -> TreeStep:
         self.tensors: TreeTensors = self.tree.tensors(device)
         self.masks = self.tensors.relative_masks()  # [N+1] int64
+        rows = parent_rows(self.tree)
+        self.prob_rows = torch.tensor(rows, device=device)  # [N+1]: row of a node's kept draft distribution
+        self.num_parents = max(rows) + 1
         children = tree_children(self.tree)
         # per depth from 1: the nodes with children (one head pass each), as a list and on the device
         self.frontiers = [(nodes, torch.tensor(nodes, device=device)) for nodes in
@@ -65,14 +79,18 @@ class TreeStep:
         return AttentionMetadata(**{**vars(attn), "rope_positions": rope, "tree_mask": masks})
 
     def accept(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
-               spec_metadata: SpecMetadata, forced: torch.Tensor | None
+               spec_metadata: SpecMetadata, forced: torch.Tensor | None,
+               sampled: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(new_tokens [B, N+1] (the accepted path's tokens first), num_accepted [B], paths [B, D+1] (node indices
         of each request's accepted path; a prompt's: the root)). ``forced``: the forced count (a 0-dim tensor),
-        taken along the most likely children."""
+        taken along the most likely children. ``sampled``: (the generation rows' target logits [G*(N+1), V], the
+        draft distributions kept for their trees [G, P, V]) to verify sampled requests by rejection sampling."""
         num_gen, n = draft_tokens.shape
         gen_targets = target_tokens[num_contexts:].view(num_gen, n + 1)
         num, path, tokens = tree_greedy_accept(self.tensors, draft_tokens, gen_targets)
+        if sampled is not None and num_gen:
+            num, path, tokens = self._rejection_sample(draft_tokens, spec_metadata, *sampled, (num, path, tokens))
         if forced is not None:
             path = forced_tree_path(self.tensors, forced_num_accepted(forced, n, num_gen, spec_metadata.seed,
                                                                       spec_metadata.offset))
@@ -80,6 +98,21 @@ class TreeStep:
         new_tokens, num_accepted = with_context_rows(target_tokens, num_contexts,
                                                      F.pad(tokens, (0, n + 1 - tokens.shape[1])), num)
         return new_tokens, num_accepted, torch.cat([path.new_zeros(num_contexts, path.shape[1]), path])
+
+    def _rejection_sample(self, draft_tokens: torch.Tensor, spec_metadata: SpecMetadata, gen_logits: torch.Tensor,
+                          draft_probs: torch.Tensor, greedy_result: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled requests verified by :func:`tree_rejection_sample`; greedy ones (top-k 1) keep ``greedy_result``
+        (num [G], path [G, D+1], tokens [G, D+1])."""
+        num_gen, n = draft_tokens.shape
+        temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
+        probs = sampler.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, n + 1, -1)
+        seed, offset = spec_metadata.generation_streams()
+        sampled = tree_rejection_sample(self.tree, probs, draft_probs, draft_tokens, seed, offset, self.prob_rows)
+        greedy = top_ks.view(num_gen, n + 1)[:, 0] == 1
+        num, path, tokens = greedy_result
+        return (torch.where(greedy, num, sampled[0]), torch.where(greedy[:, None], path, sampled[2]),
+                torch.where(greedy[:, None], tokens, sampled[1]))
 
     @staticmethod
     def compact(kv: KVCache, attn: AttentionMetadata, root_tokens: torch.Tensor, paths: torch.Tensor,
@@ -91,21 +124,31 @@ class TreeStep:
             compact_path_kv(k_cache, v_cache, kv.block_tables, slots, base, paths, num_accepted)
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
-              attn: AttentionMetadata) -> torch.Tensor:
+              attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
+              draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         """The next tree from each request's last accepted token: hidden [B, H] (the head's output there),
-        position [B] (its row), slots [B]. Returns the N drafts [B, N] in node order."""
+        position [B] (its row), slots [B]. Returns the N drafts [B, N] in node order. ``draft_probs``
+        [slots, P, V] (rejection sampling, a step with sampled requests): sampled requests draw their children
+        (:meth:`_children`) and keep each node's distribution there."""
         tree = self.tree
         children, ranks, parents = tree_children(tree), tree.ranks, tree.parents
         num = hidden.shape[0]
         drafts = torch.zeros(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
         outputs = {0: hidden}
+        sampling = None
+        if draft_probs is not None:
+            sampling = (*(x[spec_metadata.first_rows()] for x in spec_metadata.rows()), spec_metadata, draft_probs,
+                        slots)
 
         def propose(node: int) -> None:
             kids = children[node]
             if not kids:
                 return
             logits = draft_model.compute_logits(outputs[node])
-            top = logits.topk(max(ranks[k] for k in kids) + 1, dim=-1).indices
+            width = max(ranks[k] for k in kids) + 1
+            top = logits.topk(width, dim=-1).indices
+            if sampling is not None:
+                top = self._children(logits, top, node, draft_model.vocab_offsets, *sampling)
             d2t = draft_model.vocab_offsets
             ids = top if d2t is None else top + d2t[top]
             for kid in kids:
@@ -127,3 +170,19 @@ class TreeStep:
                 outputs[node] = out[:, j]
                 propose(node)
         return drafts
+
+    def _children(self, logits: torch.Tensor, ranked: torch.Tensor, node: int, d2t: torch.Tensor | None,
+                  temps: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, spec_metadata: SpecMetadata,
+                  draft_probs: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A node's children in the draft vocabulary [B, W]: for sampled requests W draws without replacement
+        from the head's distribution q at the request's temperature / top-k / top-p (Gumbel top-k: the W largest
+        log q + Gumbel noise, from the request's stream for this node), q kept in ``draft_probs`` (target
+        vocabulary) for the next step's verification; greedy requests (top-k 1) keep ``ranked``."""
+        q = sampler.target_probs(logits, temps, top_ks, top_ps)  # [B, V_draft]
+        seed, offset = spec_metadata.draft_streams(node)
+        uniform = rng.uniform(seed, offset, tuple(q.shape), salt=_SALT_CHILDREN)
+        if not spec_metadata.has_request_seeds:
+            rng.advance(seed)  # the batch stream moves on after a draw (per-request streams already have)
+        drawn = (q.log() - torch.log(-torch.log(uniform))).topk(ranked.shape[1], dim=-1).indices
+        draft_probs[slots, self.prob_rows[node]] = full_vocab_probs(q, d2t, draft_probs.shape[-1])
+        return torch.where((top_ks == 1)[:, None], ranked, drawn)

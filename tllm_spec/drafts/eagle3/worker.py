@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...config import Eagle3Config
 from ...model.attention import AttentionMetadata
@@ -46,6 +47,10 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         if self.tree_step is not None:
             self.tree_step.to(device)
 
+    @property
+    def draft_prob_rows(self) -> int:
+        return self.tree_step.num_parents if self.tree_step is not None else self.max_draft_len
+
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return [self.draft_model.kv_shape]
 
@@ -66,8 +71,12 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
         paths = None
         if self.tree_step is not None:
+            sampled = None
+            if self.samples_tree(spec_metadata):
+                sampled = (target_logits[num_contexts:], self.draft_probs[attn.token_slots[first_tokens]])
             new_tokens, num_accepted, paths = self.tree_step.accept(
-                target_tokens, draft_tokens, num_contexts, spec_metadata, self.forced_value if self.forcing else None)
+                target_tokens, draft_tokens, num_contexts, spec_metadata, self.forced_value if self.forcing else None,
+                sampled)
         else:
             new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
                                                           target_logits, attn.token_slots[first_tokens])
@@ -75,9 +84,10 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         if paths is None:
             next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, spec_metadata), target_features,
                                            num_accepted, attn, spec_metadata)
-        else:  # each row pairs with the target's token there (a tree's rows are not its accepted path)
-            row_tokens = spec_metadata.with_next_prompt_tokens(
-                torch.cat([new_tokens[:num_contexts, 0], target_tokens[num_contexts:]]), 0)
+        else:  # each row pairs with the token after it: the emitted one on the accepted path, else the target's
+            gen_rows = path_tokens(target_tokens[num_contexts:], new_tokens[num_contexts:], num_accepted[num_contexts:],
+                                   paths[num_contexts:])
+            row_tokens = spec_metadata.with_next_prompt_tokens(torch.cat([new_tokens[:num_contexts, 0], gen_rows]), 0)
             next_draft_tokens = self.draft_tree(input_ids, row_tokens, target_features, num_accepted, paths, attn,
                                                 spec_metadata)
         return {
@@ -128,12 +138,31 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         if spec_metadata.num_generation_requests:
             self.tree_step.compact(attn.kv_cache, attn, roots[num_ctx:], paths[num_ctx:], num_accepted[num_ctx:])
         position = attn.positions[roots] + num_accepted - 1
-        return self.tree_step.draft(self.draft_model, hidden[last], position, attn.token_slots[last], attn)
+        return self.tree_step.draft(self.draft_model, hidden[last], position, attn.token_slots[last], attn,
+                                    spec_metadata, self.draft_probs if self.samples_tree(spec_metadata) else None)
+
+    def samples_tree(self, spec_metadata: SpecMetadata) -> bool:
+        """Whether this step's tree is drawn and verified by rejection sampling (some request samples)."""
+        return self.use_rejection_sampling and not spec_metadata.all_greedy
 
     def _propose(self, hidden: torch.Tensor, step: int, slots: torch.Tensor, spec_metadata: SpecMetadata
                  ) -> torch.Tensor:
         logits = self.draft_model.compute_logits(hidden)
         return self.draft_tokens_from_logits(logits, self.draft_model.vocab_offsets, step, slots, spec_metadata)
+
+
+def path_tokens(target_tokens: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                paths: torch.Tensor) -> torch.Tensor:
+    """The token after each tree row of the generation requests: the emitted one at the accepted path's nodes
+    (under rejection sampling it may differ from the target's own draw there), the target's elsewhere.
+    target_tokens [G*(N+1)]; new_tokens [G, >= D+1]; num_accepted [G]; paths [G, D+1] -> [G*(N+1)]."""
+    num_gen, depth = paths.shape
+    if not num_gen:
+        return target_tokens
+    rows = F.pad(target_tokens.view(num_gen, -1), (0, 1))  # a scratch column takes the padding's writes
+    on_path = torch.arange(depth, device=paths.device) < num_accepted[:, None]
+    rows = rows.scatter(1, torch.where(on_path, paths, rows.shape[1] - 1), new_tokens[:, :depth])
+    return rows[:, :-1].flatten()
 
 
 def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: int) -> Eagle3OneModelWorker:
@@ -143,9 +172,8 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
     if cfg.use_dynamic_tree:
         raise ValueError("use_dynamic_tree: dynamic draft trees are not available yet (static eagle_choices are)")
     tree = cfg.draft_tree if cfg.is_spec_dec_tree else None
-    if tree is not None and (cfg.use_rejection_sampling or cfg.draft_len_schedule):
-        raise ValueError("a draft tree verifies strictly (lossless at any temperature) and drafts a fixed tree: "
-                         "use_rejection_sampling and draft_len_schedule apply to chains only")
+    if tree is not None and cfg.draft_len_schedule:
+        raise ValueError("a draft tree drafts a fixed tree: draft_len_schedule applies to chains only")
     if tree is not None and target.lm_head.weight.is_cuda:
         raise ValueError("draft trees run on the CPU for now: the GPU attention kernel takes the tree mask, but "
                          "the tree step is not yet captured in CUDA graphs nor checked on a GPU")
