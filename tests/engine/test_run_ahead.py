@@ -160,3 +160,20 @@ def test_prompts_joining_a_graphed_batch_run_beside_its_graph(monkeypatch):
         assert (out.logprobs is None) == (ref.logprobs is None)
         if out.logprobs is not None:
             torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs))
+
+
+def test_prompts_beside_the_graph_keep_a_draft_len_schedule(monkeypatch):
+    """With a draft-length schedule and rejection sampling, a request that joins mid-run is prefilled beside the
+    graphed decoders at the schedule's lengths: seeded and greedy tokens equal an engine without graphs."""
+    target, head = tiny_pair("llama")
+    config = eagle3(head, K).model_copy(update={"draft_len_schedule": {1: 3, 2: 2, 3: 1, 4: 0},
+                                                "use_rejection_sampling": True})
+    graphed, eager = (SpecModel.from_pretrained(target, config, dtype=torch.float32, max_batch_size=4)
+                      for _ in range(2))
+    graphed.runner.graph_runner = graphed.runner.new_graph_runner()
+    monkeypatch.setattr(CUDAGraphRunner, "can_run_next", lambda self: False)
+    prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5], [33, 34, 35, 36], [90, 1, 90]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, seed=None if i % 2 else 40 + i)
+              for i, n in enumerate([20, 9, 17, 25, 12])]
+    got, expected = graphed.generate(prompts, params, seed=3), eager.generate(prompts, params, seed=3)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]

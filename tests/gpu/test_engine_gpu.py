@@ -205,8 +205,11 @@ def test_draft_len_schedule_in_graphs_equals_eager(rejection, monkeypatch):
                                                 "use_rejection_sampling": rejection})
     models = [SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=4,
                                         enforce_eager=eager) for eager in (False, True)]
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 or not rejection else 0.9)
-              for i, n in enumerate(MAX_NEW)]
+    # sampled rows carry their own seeds: the request that joins mid-run is prefilled beside the graphed decoders,
+    # where rows of the batch stream would draw other numbers than in eager's one step over the whole batch
+    sampled = [rejection and i % 2 == 0 for i in range(len(MAX_NEW))]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.9 if s else 0.0, seed=40 + i if s else None)
+              for i, (n, s) in enumerate(zip(MAX_NEW, sampled))]
     launched = count_steps_run_ahead(monkeypatch)
     for i, (p, n, out) in enumerate(zip(PROMPTS, MAX_NEW, models[0].generate(PROMPTS, params, seed=3))):
         if params[i].is_greedy:
