@@ -1,9 +1,9 @@
-"""When waiting requests join the batch. Every step with prompt tokens runs without a CUDA graph, so requests that
-arrive close together should share one prefill step: while requests decode, a new one waits up to
-``scheduler_delay_factor`` times the last prefill step (each prefill step costs the running streams a step);
-while nothing decodes, waiting requests start once none has arrived for ``admission_window_ms`` and none is
-announced (a server reading it, :meth:`EngineLoop.announce`), at most ADMISSION_WINDOW_CAP windows after the
-first; and always at once when they fill every free slot."""
+"""When waiting requests join the batch. A step's prompt chunks run without a CUDA graph (beside the decoders'
+graph, :meth:`ModelRunner.step`), mostly host time, so requests that arrive close together should share one
+prefill step: while requests decode, a new one waits up to ``scheduler_delay_factor`` times the last prefill step
+(each prefill step costs the running streams a step); while nothing decodes, waiting requests start once none has
+arrived for ``admission_window_ms`` and none is announced (a server reading it, :meth:`EngineLoop.announce`), at
+most ADMISSION_WINDOW_CAP windows after the first; and always at once when they fill every free slot."""
 from __future__ import annotations
 
 import time
