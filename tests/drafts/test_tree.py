@@ -211,3 +211,19 @@ def test_sampled_tree_verification_keeps_the_targets_distribution(name, support)
     assert ((empirical - exact).abs() <= 5 * sigma + 1e-4).all()
     if name != "chain3":
         assert num.double().mean() > 1.2  # drafts are accepted: the test exercises acceptance, not just fallback
+
+
+def test_a_rejection_that_leaves_no_residual_keeps_the_target_row():
+    """p below q at the drawn token and nowhere above it (p equals q to float rounding, exaggerated here so that
+    rejections are frequent): the residual has no mass, and the emitted token is still drawn from p, never the
+    index 0 of an all-zero row."""
+    from tllm_spec.drafts.tree import tree_rejection_sample
+    tree = DraftTree.from_choices([[0]])
+    q = torch.tensor([0.0, 0.5, 0.5])
+    p = torch.tensor([0.0, 0.25, 0.25])  # below q wherever q has mass
+    trials = 4000
+    target, draft = p.expand(trials, 2, 3), q.expand(trials, 2, 3)
+    drafts = torch.ones(trials, 1, dtype=torch.int64)
+    num, out, _ = tree_rejection_sample(tree, target, draft, drafts, torch.full((trials,), 5), torch.arange(trials))
+    assert (num == 1).any()  # some draws rejected the child
+    assert (out[num == 1, 0] != 0).all()  # p gives token 0 no mass

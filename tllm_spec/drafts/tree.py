@@ -257,11 +257,11 @@ def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_pro
     Each node's children must have been drawn one after the other *without replacement* from the draft's
     distribution at that node (the first from q, the next from q without the first, renormalised, ...; e.g. a
     Gumbel top-k). From the root: child c (in rank order) is accepted with probability min(1, p(x_c) / q(x_c));
-    on a rejection p becomes norm(max(p - q, 0)) and q loses x_c (renormalised); the first accepted child becomes
-    the node and verification goes on below it; when every child is rejected a token is drawn from the last p
-    and the step ends; a leaf reached emits a bonus token drawn from its target distribution. A child whose
-    token q gives no mass (drawn after q's support ran out: a Gumbel top-k wider than the support) is skipped,
-    as if it had not been drawn.
+    on a rejection p becomes norm(max(p - q, 0)) (p stays where that leaves no mass: p equals q to rounding) and q
+    loses x_c (renormalised); the first accepted child becomes the node and verification goes on below it; when
+    every child is rejected a token is drawn from the last p and the step ends; a leaf reached emits a bonus token
+    drawn from its target distribution. A child whose token q gives no mass (drawn after q's support ran out: a
+    Gumbel top-k wider than the support) is skipped, as if it had not been drawn.
 
     target_probs [B, N+1, V] (the target's next-token distribution at the root and at every node); draft_probs
     [B, P, V] (the draft's at each node with children, row ``prob_rows[node]``; default P = N+1, row = node);
@@ -302,7 +302,8 @@ def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_pro
             tokens[:, depth] = torch.where(accept, x, tokens[:, depth])
             reject = (trying & ~accept)[:, None]
             residual = (p - q).clamp(min=0)
-            p = torch.where(reject, residual / residual.sum(-1, keepdim=True).clamp(min=1e-30), p)
+            mass = residual.sum(-1, keepdim=True)  # 0 only where p == q to rounding: p stays
+            p = torch.where(reject & (mass > 0), residual / mass.clamp(min=1e-30), p)
             q_without = q.scatter(1, x[:, None], 0.0)
             q = torch.where(reject, q_without / q_without.sum(-1, keepdim=True).clamp(min=1e-30), q)
         ending = alive & ~moved  # every child rejected, or a leaf: draw from what p has become
