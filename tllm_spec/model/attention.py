@@ -6,6 +6,7 @@ argument, which transformers forwards from the model call to every attention fun
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -216,7 +217,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: t
             return out
     out = torch.empty_like(q)
     start = 0
-    for n, count in _equal_runs(lens):
+    for n, count in ((n, len(list(run))) for n, run in itertools.groupby(lens)):  # runs of equal lengths
         rows = slice(start, start + n * count)
         qs, ks, vs = (x[rows].unflatten(0, (count, n)).transpose(1, 2).to(q.dtype) for x in (q, k, v))  # [c, H, n, D]
         mask = None
@@ -228,17 +229,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: t
         out[rows] = o.transpose(1, 2).flatten(0, 1)
         start += n * count
     return out
-
-
-def _equal_runs(lens: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(length, count) for each run of consecutive equal lengths: (5, 5, 3) -> [(5, 2), (3, 1)]."""
-    runs: list[tuple[int, int]] = []
-    for n in lens:
-        if runs and runs[-1][0] == n:
-            runs[-1] = (n, runs[-1][1] + 1)
-        else:
-            runs.append((n, 1))
-    return runs
 
 
 def _varlen_attn():
@@ -253,6 +243,13 @@ def _varlen_attn():
 
 
 _VARLEN = _varlen_attn()
+
+
+@functools.lru_cache(maxsize=4)
+def _cumulative_lengths(lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] int32 on ``device``: built once per step's prompt lengths, not in every layer (never
+    written to)."""
+    return torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32, device=device)
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...],
@@ -281,7 +278,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         else:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    cu_seq = torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32, device=q.device)
+    cu_seq = _cumulative_lengths(lens, q.device)
     longest = max(lens)
     return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, **kwargs)
 
