@@ -172,10 +172,13 @@ def test_latencies_match_the_servers_delays(url, tmp_path):
     for r in result["requests"]:
         assert r["chunk_tokens"] == [TOKENS_PER_CHUNK] * NUM_CHUNKS  # the empty delta and after-[DONE] chunk skipped
     ms = 1000 * FIRST_DELAY, 1000 * DELAY
-    assert ms[0] * 0.9 <= s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] < ms[0] + 400
-    assert (NUM_CHUNKS - 1) * ms[1] / 14 * 0.9 <= s["tpot_ms"]["p50"] < ((NUM_CHUNKS - 1) * ms[1] + 400) / 14
+    # lower bounds are exact (nothing arrives before the server sends it); upper ones leave a loaded 2-core CI
+    # machine room and still catch a wrong unit or a clock started late
+    slack = 2000
+    assert ms[0] * 0.9 <= s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] < ms[0] + slack
+    assert (NUM_CHUNKS - 1) * ms[1] / 14 * 0.9 <= s["tpot_ms"]["p50"] < ((NUM_CHUNKS - 1) * ms[1] + slack) / 14
     assert ms[1] / 3 * 0.5 <= s["itl_ms"]["p50"] < (ms[1] + 100) / 3  # a 20 ms gap over 3 tokens
-    assert (ms[0] + (NUM_CHUNKS - 1) * ms[1]) * 0.9 <= s["e2e_ms"]["p50"] < ms[0] + (NUM_CHUNKS - 1) * ms[1] + 500
+    assert (ms[0] + (NUM_CHUNKS - 1) * ms[1]) * 0.9 <= s["e2e_ms"]["p50"] < ms[0] + (NUM_CHUNKS - 1) * ms[1] + slack
     assert s["output_throughput"] == pytest.approx(s["num_output_tokens"] / s["duration_s"])
     body = fake.bodies[0]
     assert body["max_tokens"] == 15 and body["ignore_eos"] is True and body["temperature"] == 0.0
