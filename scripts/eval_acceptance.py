@@ -2,6 +2,7 @@ r"""Acceptance of the draft heads on held-out prompts (T = 0 and T = 1) and toke
 
     python scripts/eval_acceptance.py                         # the shipped demo pair, both heads, CPU
     python scripts/eval_acceptance.py --tree                  # ... and the EAGLE-3 head drafting the default tree
+    python scripts/eval_acceptance.py --tree --dynamic-tree 3 25 8   # ... and growing a dynamic tree
     python scripts/eval_acceptance.py --target /models/llama --eagle3 /heads/e3 --mtp none \
         --prompts-from heldout.json --device cuda --out runs/eval
 
@@ -41,6 +42,8 @@ def main() -> None:
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
     p.add_argument("--tree", nargs="?", const="default", help="also the EAGLE-3 head drafting a static tree "
                    "(eagle3-tree): 'default' (the batch-1 default tree) or eagle_choices as JSON")
+    p.add_argument("--dynamic-tree", type=int, nargs=3, metavar=("TOPK", "DRAFTS", "DEPTH"),
+                   help="also the EAGLE-3 head growing a dynamic tree (eagle3-dynamic-tree), e.g. 3 25 8")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--speed-prompts", type=int, default=4,
                    help="prompts timed for tokens/s (batch 1, T=0; 0: acceptance only)")
@@ -54,7 +57,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     tree = None if args.tree is None else DEFAULT_EAGLE_CHOICES if args.tree == "default" else json.loads(args.tree)
     heads = head_configs(None if args.eagle3 == "none" else args.eagle3, None if args.mtp == "none" else args.mtp,
-                         args.max_draft_len, tree)
+                         args.max_draft_len, tree, args.dynamic_tree)
     texts = heldout_texts(args.prompts_from)
     prompts = prompt_ids(load_tokenizer(resolve(args.target)), texts, args.num_prompts, args.prompt_tokens)
     result = evaluate(args.target, heads, prompts, args.max_new_tokens, tuple(args.temperatures), args.device,

@@ -165,6 +165,10 @@ class Eagle3Config(_Frozen):
             if total < self.max_draft_len:
                 raise ValueError(f"max_total_draft_tokens ({total}) must be at least max_draft_len "
                                  f"({self.max_draft_len}): the tree holds a path of that depth")
+            if (self.max_draft_len - 1) * self.dynamic_tree_max_topK > total:
+                raise ValueError(f"a dynamic tree drafts with (max_draft_len - 1) * dynamic_tree_max_topK = "
+                                 f"{(self.max_draft_len - 1) * self.dynamic_tree_max_topK} frontier tokens, which "
+                                 f"must fit the max_total_draft_tokens = {total} cache rows a step reserves")
         elif self.dynamic_tree_max_topK is not None:
             raise ValueError("dynamic_tree_max_topK applies to use_dynamic_tree=True only")
         if self.eagle_choices is None and not self.use_dynamic_tree and total not in (None, self.max_draft_len):

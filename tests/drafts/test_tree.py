@@ -38,7 +38,7 @@ def test_nodes_are_breadth_first_with_parents_before_children():
     assert (tree.num_nodes, tree.max_depth, tree.is_chain) == (5, 2, False)
     assert tree.paths()[5] == [0, 2, 5]
     assert DraftTree.chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and DraftTree.chain(3).is_chain
-    mask = DraftTree.chain(3).tensors().attention_mask()
+    mask = DraftTree.chain(3).tensors().ancestors
     assert torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())  # a chain: causal
 
 

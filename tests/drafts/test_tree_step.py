@@ -86,14 +86,6 @@ def test_sampled_trees_with_rejection_sampling():
     assert rejection.generate(prompts, many).stats["mean_accepted_length"] > strict * 1.1
 
 
-def test_dynamic_trees_are_refused_at_load():
-    target, head = tiny_pair("llama")
-    with pytest.raises(ValueError, match="dynamic draft trees"):
-        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=3,
-                                                       use_dynamic_tree=True, dynamic_tree_max_topK=2,
-                                                       max_total_draft_tokens=6))
-
-
 def test_a_tree_too_big_for_the_mask_is_refused_at_load():
     target, head = tiny_pair("llama")
     with pytest.raises((ValueError, ValidationError), match="does not fit"):

@@ -119,13 +119,18 @@ def test_greedy_requests_keep_exact_verification():
     assert outs[2].token_ids == hf_greedy(target, prompts[2], 10)
 
 
-@pytest.mark.parametrize("request_seeds", [False, True])
-def test_end_to_end_distribution_of_a_sampled_tree(request_seeds):
+TREES = {"static": dict(eagle_choices=[[0], [1], [2], [0, 0], [1, 0]]),
+         "dynamic": dict(use_dynamic_tree=True, dynamic_tree_max_topK=3, max_total_draft_tokens=5)}
+
+
+@pytest.mark.parametrize("request_seeds,tree", [(False, "static"), (True, "static"), (False, "dynamic"),
+                                                (True, "dynamic")])
+def test_end_to_end_distribution_of_a_sampled_tree(request_seeds, tree):
     """A tree of three first drafts (and children) drawn without replacement and verified by recursive rejection
-    sampling: the first two emitted tokens (the second through the tree) follow the target's joint distribution."""
+    sampling: the first two emitted tokens (the second through the tree) follow the target's joint distribution.
+    The dynamic tree keeps the 5 best-scoring of its 3 + 9 candidates, its shape chosen anew each step."""
     target, head = tiny_pair("llama", vocab_size=V, seed=4)
-    cfg = Eagle3Config(speculative_model=str(head), max_draft_len=2, eagle_choices=[[0], [1], [2], [0, 0], [1, 0]],
-                       use_rejection_sampling=True)
+    cfg = Eagle3Config(speculative_model=str(head), max_draft_len=2, use_rejection_sampling=True, **TREES[tree])
     model = SpecModel.from_pretrained(target, cfg, max_batch_size=64)
     counts, stats = sample_pairs(model, 1.0, seed=8, request_seeds=request_seeds)
     assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3

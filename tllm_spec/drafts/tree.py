@@ -1,4 +1,6 @@
-"""Draft trees: the structure of a static EAGLE tree and its verification, as device-tensor ops (no host sync).
+"""Draft trees: the structure of an EAGLE tree and its verification, as device-tensor ops (no host sync). A static
+tree (:class:`DraftTree`) is one for every request; a dynamic one (``eagle3/dynamic_tree.py``) is one per request,
+given by its parents (:func:`tree_tensors`); verification takes either.
 
 A tree is given as TensorRT-LLM's ``eagle_choices``: one path per node, the top-k rank taken at each depth from
 the root, e.g. ``[[0], [1], [0, 0], [0, 1], [1, 0]]`` (the root is the last accepted token; ``[0, 1]`` is the
@@ -113,93 +115,125 @@ class DraftTree:
         return [i for i, d in enumerate(self.depths) if d == depth]
 
     def tensors(self, device: torch.device | str = "cpu") -> TreeTensors:
-        paths = self.paths()
-        width = self.max_depth + 1
-        padded = [p + [p[-1]] * (width - len(p)) for p in paths]
-        ancestors = torch.zeros(self.num_nodes + 1, self.num_nodes + 1, dtype=torch.bool)
-        for i, p in enumerate(paths):
-            ancestors[i, p] = True
-        as_long = {"dtype": torch.int64, "device": device}
-        index = {c: i + 1 for i, c in enumerate(self.choices)}
-        spine = [0]
-        while (0,) * len(spine) in index:
-            spine.append(index[(0,) * len(spine)])
-        return TreeTensors(torch.tensor(self.parents, **as_long), torch.tensor(self.depths, **as_long),
-                           torch.tensor(self.ranks, **as_long), ancestors.to(device), torch.tensor(padded, **as_long),
-                           torch.tensor(spine, **as_long))
+        parents = torch.tensor(self.parents, dtype=torch.int64, device=device)
+        return tree_tensors(parents[None], self.max_depth, max(map(len, tree_children(self))))[0]
 
 
 @dataclass(frozen=True)
 class TreeTensors:
-    """A :class:`DraftTree` on the device: parents, depths, ranks [N+1] int64; ancestors [N+1, N+1] bool
-    (ancestor-or-self); paths [N+1, D+1] int64 (node indices from the root, padded with the node); spine: the
-    chain of most likely children from the root."""
+    """A tree on the device, one shared by every request (unbatched fields) or one per request (a leading batch
+    dimension B): parents, depths [N+1] int64; ancestors [N+1, N+1] bool (ancestor-or-self: row i holds the nodes
+    on i's path); paths [N+1, D+1] int64 (node indices from the root, padded with the node); children [N+1, W]
+    int64 (each node's children in rank order, -1 past the last)."""
 
     parents: torch.Tensor
     depths: torch.Tensor
-    ranks: torch.Tensor
     ancestors: torch.Tensor
     paths: torch.Tensor
-    spine: torch.Tensor  # [S+1] int64: the rank-0 chain from the root (root first), as deep as it goes
+    children: torch.Tensor
 
     @property
     def num_nodes(self) -> int:
-        return self.parents.shape[0] - 1
+        return self.parents.shape[-1] - 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[-1] - 1
+
+    def __getitem__(self, index) -> TreeTensors:
+        return TreeTensors(*(x[index] for x in vars(self).values()))
+
+    def batched(self, num: int) -> TreeTensors:
+        """One tree per request: a shared tree expanded (views) to ``num`` requests; a batched one as it is."""
+        if self.parents.dim() == 2:
+            return self
+        return TreeTensors(*(x.expand(num, *x.shape) for x in vars(self).values()))
 
     def relative_masks(self) -> torch.Tensor:
-        """[N+1] int64: each tree token's visibility as paged attention takes it (``tree_mask``): bit j lets the
-        token at cache row base + i see the row j below its own, i.e. its ancestors (i - a), itself (0) and
+        """[..., N+1] int64: each tree token's visibility as paged attention takes it (``tree_mask``): bit j lets
+        the token at cache row base + i see the row j below its own, i.e. its ancestors (i - a), itself (0) and
         everything below the root (j > i). Needs N + 1 <= TREE_WINDOW."""
-        from ..kernels.paged_attention import TREE_WINDOW
+        nodes = torch.arange(self.num_nodes + 1, device=self.ancestors.device)
+        return relative_tree_bits(self.ancestors, nodes)
 
-        size = self.num_nodes + 1
-        if size > TREE_WINDOW:
-            raise ValueError(f"a tree of {self.num_nodes} drafts does not fit the {TREE_WINDOW}-row tree mask")
-        nodes = torch.arange(size, device=self.ancestors.device)
-        offsets = torch.arange(TREE_WINDOW, device=self.ancestors.device)
-        ancestor_offsets = nodes[:, None] - nodes[None, :]  # [i, a] -> i - a
-        bits = torch.zeros(size, TREE_WINDOW, dtype=torch.int64, device=self.ancestors.device)
-        rows, cols = self.ancestors.nonzero(as_tuple=True)
-        bits[rows, ancestor_offsets[rows, cols]] = 1
-        bits[offsets[None, :] > nodes[:, None]] = 1  # below the root: the committed context
-        return (bits << offsets).sum(dim=1)
 
-    def attention_mask(self) -> torch.Tensor:
-        """[N+1, N+1] bool: tree token i (the root first) may attend to tree token j (besides the committed
-        context): j is on i's path."""
-        return self.ancestors
+def relative_tree_bits(visible_rows: torch.Tensor, own_rows: torch.Tensor) -> torch.Tensor:
+    """Tree tokens' attention masks in paged attention's relative form: visible_rows [..., R] bool (which of the
+    tree's rows base + 0 .. base + R - 1 the token sees), own_rows [...] int64 (the token's own row) -> [...]
+    int64, bit j set where the row j below the token's own is visible or lies below the tree (row < base)."""
+    from ..kernels.paged_attention import TREE_WINDOW
+
+    if visible_rows.shape[-1] > TREE_WINDOW:
+        raise ValueError(f"a tree of {visible_rows.shape[-1] - 1} drafts does not fit the {TREE_WINDOW}-row tree "
+                         f"mask")
+    offsets = torch.arange(TREE_WINDOW, device=visible_rows.device)
+    rows = own_rows.expand(visible_rows.shape[:-1])[..., None] - offsets  # [..., W]: the row j below
+    seen = visible_rows.gather(-1, rows.clamp(min=0)) | (rows < 0)
+    return (seen.to(torch.int64) << offsets).sum(-1)
+
+
+def tree_tensors(parents: torch.Tensor, max_depth: int, width: int) -> TreeTensors:
+    """The :class:`TreeTensors` of B trees given by their parents [B, N+1] int64 (nodes numbered so that a parent
+    comes before its children, siblings in rank order; the root, node 0, its own parent), none deeper than
+    ``max_depth`` nor wider than ``width`` children. Device ops, no host sync."""
+    num, size = parents.shape
+    device = parents.device
+    nodes = torch.arange(size, device=device)
+    depths = torch.zeros_like(parents)
+    eye = torch.eye(size, dtype=torch.bool, device=device).expand(num, size, size)
+    ancestors = eye
+    for _ in range(max_depth):  # each round settles one more level
+        depths = torch.where(nodes > 0, depths.gather(1, parents) + 1, 0)
+        ancestors = eye | ancestors.gather(1, parents[:, :, None].expand(num, size, size))
+    levels = torch.arange(max_depth + 1, device=device)
+    at_level = ancestors[:, :, None, :] & (depths[:, None, None, :] == levels[:, None])  # [B, N+1, D+1, N+1]
+    paths = torch.where(at_level.any(-1), at_level.to(torch.uint8).argmax(-1), nodes[:, None])
+    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & (nodes[None, None, :] < nodes[:, None]) \
+        & (nodes > 0)
+    ranks = earlier_sibling.sum(-1)  # [B, N+1]
+    children = torch.full((num, size * width + 1), -1, dtype=torch.int64, device=device)
+    slot = torch.where(nodes > 0, parents * width + ranks, size * width)  # the root's goes to a scratch column
+    children = children.scatter(1, slot, nodes.expand(num, size))[:, :-1].view(num, size, width)
+    return TreeTensors(parents, depths, ancestors, paths, children)
 
 
 def tree_greedy_accept(tree: TreeTensors, draft_tokens: torch.Tensor, target_tokens: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verification of a tree per request: the deepest path whose every draft equals the target's token
-    at its parent (the first in node order among equally deep ones).
+    """Greedy verification of a tree per request (one tree for all, or one each): the deepest path whose every
+    draft equals the target's token at its parent (the first in node order among equally deep ones).
 
     draft_tokens [B, N] (node i's draft in column i - 1); target_tokens [B, N+1] (the target's token after the
     root and after each node). Returns (num_accepted [B] int64: the path's nodes including the root, i.e. the
     tokens emitted with the bonus; path [B, D+1] int64: its node indices from the root, padded with its last
     node; tokens [B, D+1] int64: the target's token at each path node, the first num_accepted valid)."""
     num_requests = draft_tokens.shape[0]
-    parent_tokens = target_tokens.gather(1, tree.parents[1:].expand(num_requests, -1))  # [B, N]
+    tree = tree.batched(num_requests)
+    parent_tokens = target_tokens.gather(1, tree.parents[:, 1:])  # [B, N]
     mismatch = torch.cat([draft_tokens.new_zeros(num_requests, 1, dtype=torch.bool), draft_tokens != parent_tokens],
                          dim=1)  # [B, N+1]; the root always matches
-    broken = mismatch.to(torch.float32) @ tree.ancestors.T.to(torch.float32)  # [B, N+1]: mismatches on the path
-    accepted = broken == 0
+    broken = (tree.ancestors & mismatch[:, None, :]).any(-1)  # [B, N+1]: a mismatch on the node's path
+    return _first_deepest(tree, ~broken, target_tokens)
+
+
+def _first_deepest(tree: TreeTensors, allowed: torch.Tensor, target_tokens: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(num_accepted, path, tokens) of the deepest allowed node per request (the first in node order among
+    equally deep ones); tree batched, allowed [B, N+1] bool (the root always)."""
     num_nodes = tree.num_nodes + 1
-    score = torch.where(accepted, tree.depths * num_nodes + (num_nodes - 1 - torch.arange(num_nodes,
-                                                                                           device=tree.depths.device)),
-                        -1)
-    best = score.argmax(dim=1)  # [B]
-    path = tree.paths[best]  # [B, D+1]
-    return tree.depths[best] + 1, path, target_tokens.gather(1, path)
+    order = num_nodes - 1 - torch.arange(num_nodes, device=allowed.device)
+    best = torch.where(allowed, tree.depths * num_nodes + order, -1).argmax(dim=1, keepdim=True)  # [B, 1]
+    path = tree.paths.gather(1, best[:, :, None].expand(-1, 1, tree.paths.shape[-1]))[:, 0]  # [B, D+1]
+    return tree.depths.gather(1, best)[:, 0] + 1, path, target_tokens.gather(1, path)
 
 
 def forced_tree_path(tree: TreeTensors, num_accepted: torch.Tensor) -> torch.Tensor:
     """The path a forced acceptance of ``num_accepted`` [B] tokens takes (TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS
-    on a tree): the most likely child at every depth (rank 0 all the way), as deep as asked and that chain goes.
-    Returns the path [B, D+1] of node indices (padded with its last node)."""
-    depth = (num_accepted - 1).clamp(min=0, max=tree.spine.shape[0] - 1)
-    return tree.paths[tree.spine[depth]]
+    on a tree): the first node in node order as deep as asked (or the deepest there is), i.e. the most likely
+    child at every depth where that chain goes deep enough. Returns the path [B, D+1] of node indices (padded
+    with its last node)."""
+    tree = tree.batched(num_accepted.shape[0])
+    allowed = tree.depths <= (num_accepted - 1)[:, None]
+    return _first_deepest(tree, allowed, tree.depths)[1]
 
 
 def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor,
@@ -248,7 +282,7 @@ def parent_rows(tree: DraftTree) -> list[int]:
     return rows
 
 
-def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+def tree_rejection_sample(tree: DraftTree | TreeTensors, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                           draft_tokens: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                           prob_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless verification of sampled tree drafts (recursive rejection sampling without replacement, the
@@ -256,43 +290,48 @@ def tree_rejection_sample(tree: DraftTree, target_probs: torch.Tensor, draft_pro
 
     Each node's children must have been drawn one after the other *without replacement* from the draft's
     distribution at that node (the first from q, the next from q without the first, renormalised, ...; e.g. a
-    Gumbel top-k). From the root: child c (in rank order) is accepted with probability min(1, p(x_c) / q(x_c));
-    on a rejection p becomes norm(max(p - q, 0)) (p stays where that leaves no mass: p equals q to rounding) and q
-    loses x_c (renormalised); the first accepted child becomes the node and verification goes on below it; when
-    every child is rejected a token is drawn from the last p and the step ends; a leaf reached emits a bonus token
+    Gumbel top-k), and how many of them the tree keeps must not depend on what the drawn tokens are (a static
+    tree; a dynamic tree whose shape is chosen from the draft's distributions, not from the draws). From the
+    root: child c (in rank order) is accepted with probability min(1, p(x_c) / q(x_c)); on a rejection p becomes
+    norm(max(p - q, 0)) (p stays where that leaves no mass: p equals q to rounding) and q loses x_c
+    (renormalised); the first accepted child becomes the node and verification goes on below it; when every
+    child is rejected a token is drawn from the last p and the step ends; a leaf reached emits a bonus token
     drawn from its target distribution. A child whose token q gives no mass (drawn after q's support ran out: a
     Gumbel top-k wider than the support) is skipped, as if it had not been drawn.
 
-    target_probs [B, N+1, V] (the target's next-token distribution at the root and at every node); draft_probs
-    [B, P, V] (the draft's at each node with children, row ``prob_rows[node]``; default P = N+1, row = node);
-    draft_tokens [B, N]. seed, offset: [1] int64 (the batch stream, advanced in place) or [B] (per-request
-    streams). Returns (num_accepted [B]: tokens emitted, the last one drawn; tokens [B, D+1], the first
-    num_accepted valid; path [B, D+1]: the accepted nodes from the root, padded with the last). Device ops, no
-    host sync (one loop per depth and child rank, over the tree's host structure)."""
+    tree: one for every request or one each (batched :class:`TreeTensors`); target_probs [B, N+1, V] (the
+    target's next-token distribution at the root and at every node); draft_probs [B, P, V] (the draft's at each
+    node with children, row ``prob_rows[node]`` ([N+1] or [B, N+1]); default P = N+1, row = node); draft_tokens
+    [B, N]. seed, offset: [1] int64 (the batch stream, advanced in place) or [B] (per-request streams). Returns
+    (num_accepted [B]: tokens emitted, the last one drawn; tokens [B, D+1], the first num_accepted valid; path
+    [B, D+1]: the accepted nodes from the root, padded with the last). Device ops, no host sync (one loop per
+    depth and child rank)."""
     num_requests = target_probs.shape[0]
     device = target_probs.device
-    children = tree_children(tree)
+    if isinstance(tree, DraftTree):
+        tree = tree.tensors(device)
+    tree = tree.batched(num_requests)
     rows = torch.arange(num_requests, device=device)
     if prob_rows is None:
         prob_rows = torch.arange(tree.num_nodes + 1, device=device)
+    prob_rows = prob_rows.expand(num_requests, tree.num_nodes + 1)
     node = torch.zeros(num_requests, dtype=torch.int64, device=device)
     alive = torch.ones(num_requests, dtype=torch.bool, device=device)
     depths = tree.max_depth + 1
     tokens = torch.zeros(num_requests, depths, dtype=torch.int64, device=device)
     path = torch.zeros(num_requests, depths, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
-    width = max(len(c) for c in children)
-    child_table = torch.tensor([c + [-1] * (width - len(c)) for c in children], device=device)  # [N+1, W]
+    width = tree.children.shape[-1]
     draws = rng.uniform(seed, offset, (num_requests, depths * width + 1), salt=_SALT_TREE_ACCEPT)
     noise = -torch.log(rng.uniform(seed, offset, (num_requests, target_probs.shape[-1]), salt=_SALT_TREE_DRAW))
     ending_p = torch.zeros_like(target_probs[:, 0])
     for depth in range(depths):
         p = target_probs[rows, node]  # [B, V]
-        q = draft_probs[rows, prob_rows[node].clamp(min=0)]  # a leaf's row is never read: it has no children
+        q = draft_probs[rows, prob_rows[rows, node].clamp(min=0)]  # a leaf's row is never read: it has no children
         moved = torch.zeros(num_requests, dtype=torch.bool, device=device)
         next_node = node
         for rank in range(width):
-            child = child_table[node, rank]  # [B]
+            child = tree.children[rows, node, rank]  # [B]
             x = draft_tokens[rows, (child - 1).clamp(min=0)]  # [B]
             p_x, q_x = p[rows, x], q[rows, x]
             trying = alive & ~moved & (child >= 0) & (q_x > 0)

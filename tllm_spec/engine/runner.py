@@ -44,6 +44,9 @@ class ModelRunner:
         if worker.use_flashinfer:  # its JIT build (minutes on a fresh machine) runs beside what follows
             flashinfer_ops.start_sampling_build(device)
         metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, device)
+        tree_step = getattr(worker, "tree_step", None)
+        if tree_step is not None:  # TensorRT-LLM's tree fields (max_total_draft_tokens: N, max_draft_len here)
+            metadata.is_spec_dec_tree, metadata.is_spec_dec_dynamic_tree = True, tree_step.is_dynamic
         self.model = OneModel(target, worker, mode, metadata)
         self.kv_cache = self._make_kv_cache()
         worker.allocate_state(self.max_batch_size + 1, target.vocab_size, device)  # + the padding slot
@@ -95,7 +98,7 @@ class ModelRunner:
         """The most drafts one step can accept: max_draft_len, or a draft tree's depth (its N drafts are what a
         step verifies, ``max_draft_len`` here)."""
         tree_step = getattr(self.worker, "tree_step", None)
-        return tree_step.tree.max_depth if tree_step is not None else self.max_draft_len
+        return tree_step.max_depth if tree_step is not None else self.max_draft_len
 
     @property
     def max_packed_columns(self) -> int:

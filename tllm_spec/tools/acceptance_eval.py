@@ -54,18 +54,24 @@ def prompt_ids(tokenizer, texts: list[str], num_prompts: int, prompt_tokens: int
     return prompts
 
 
-def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[int]] | None = None
-                 ) -> dict[str, SpecConfig]:
+def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[int]] | None = None,
+                 dynamic_tree: tuple[int, int, int] | None = None) -> dict[str, SpecConfig]:
     """Named speculative configs to evaluate; ``mtp == "target"`` reads MTP weights from the target dir. Sampled
     requests (T > 0) are verified by rejection sampling; greedy ones by exact argmax comparison either way. With
     ``tree`` (eagle_choices) also the EAGLE-3 head drafting that static tree ("eagle3-tree"; sampled requests'
-    children drawn without replacement and verified by recursive rejection sampling)."""
+    children drawn without replacement and verified by recursive rejection sampling); with ``dynamic_tree``
+    (top-k, drafts, depth) the head growing a dynamic tree ("eagle3-dynamic-tree")."""
     heads: dict[str, SpecConfig] = {}
     if eagle3:
         heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k, use_rejection_sampling=True)
     if eagle3 and tree:
         heads["eagle3-tree"] = Eagle3Config(speculative_model=eagle3, max_draft_len=max(len(c) for c in tree),
                                             eagle_choices=tree, use_rejection_sampling=True)
+    if eagle3 and dynamic_tree:
+        top_k, size, depth = dynamic_tree
+        heads["eagle3-dynamic-tree"] = Eagle3Config(
+            speculative_model=eagle3, max_draft_len=depth, use_dynamic_tree=True, dynamic_tree_max_topK=top_k,
+            max_total_draft_tokens=size, use_rejection_sampling=True)
     if mtp:
         heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, use_rejection_sampling=True,
                                  mtp_checkpoint=None if mtp == "target" else mtp)

@@ -45,11 +45,14 @@ _SALT_CHILDREN = 0xC41D  # the Gumbel noise of a sampled request's children
 class TreeStep:
     """A static tree on one device: its structure tensors and the per-token masks of a verify run."""
 
+    is_dynamic = False
+
     def __init__(self, tree: DraftTree, device: torch.device | str = "cpu"):
         self.tree = tree
-        self.to(device)
+        self.allocate(0, device)
 
-    def to(self, device: torch.device | str) -> TreeStep:
+    def allocate(self, num_slots: int, device: torch.device | str) -> TreeStep:
+        """Put the tree's tensors on ``device`` (a static tree keeps nothing per slot)."""
         self.tensors: TreeTensors = self.tree.tensors(device)
         self.masks = self.tensors.relative_masks()  # [N+1] int64
         rows = parent_rows(self.tree)
@@ -66,41 +69,58 @@ class TreeStep:
     def num_nodes(self) -> int:
         return self.tree.num_nodes
 
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    def structure(self, slots: torch.Tensor) -> tuple[TreeTensors, torch.Tensor, torch.Tensor]:
+        """(tree tensors, tree masks [N+1], rows of the kept draft distributions [N+1]) of the trees the
+        requests in ``slots`` [G] verify: here the one static tree, unbatched."""
+        return self.tensors, self.masks, self.prob_rows
+
     def verify_metadata(self, attn: AttentionMetadata, num_context_tokens: int, num_generation: int
                         ) -> AttentionMetadata:
         """``attn`` of a step whose generation runs are trees: their tokens rotated by root + depth and masked to
         their paths (prompt tokens unchanged)."""
         if not num_generation:
             return attn
-        runs = attn.positions[num_context_tokens:].view(num_generation, self.num_nodes + 1)
-        rope = torch.cat([attn.positions[:num_context_tokens], (runs[:, :1] + self.tensors.depths).flatten()])
+        size = self.num_nodes + 1
+        tensors, masks, _ = self.structure(attn.token_slots[num_context_tokens::size][:num_generation])
+        runs = attn.positions[num_context_tokens:].view(num_generation, size)
+        rope = torch.cat([attn.positions[:num_context_tokens], (runs[:, :1] + tensors.depths).flatten()])
         masks = torch.cat([torch.full((num_context_tokens,), ALL_VISIBLE, dtype=torch.int64, device=rope.device),
-                           self.masks.repeat(num_generation)])
+                           masks.expand(num_generation, size).flatten()])
         return AttentionMetadata(**{**vars(attn), "rope_positions": rope, "tree_mask": masks})
 
     def accept(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
-               spec_metadata: SpecMetadata, forced: torch.Tensor | None,
+               spec_metadata: SpecMetadata, forced: torch.Tensor | None, gen_slots: torch.Tensor,
                sampled: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(new_tokens [B, N+1] (the accepted path's tokens first), num_accepted [B], paths [B, D+1] (node indices
         of each request's accepted path; a prompt's: the root)). ``forced``: the forced count (a 0-dim tensor),
-        taken along the most likely children. ``sampled``: (the generation rows' target logits [G*(N+1), V], the
-        draft distributions kept for their trees [G, P, V]) to verify sampled requests by rejection sampling."""
+        taken along the most likely children. gen_slots [G]: the generation requests' slots. ``sampled``: (the
+        generation rows' target logits [G*(N+1), V], the draft distributions kept for their trees [G, P, V]) to
+        verify sampled requests by rejection sampling."""
         num_gen, n = draft_tokens.shape
+        tensors, _, prob_rows = self.structure(gen_slots)
+        tensors = tensors.batched(num_gen)
         gen_targets = target_tokens[num_contexts:].view(num_gen, n + 1)
-        num, path, tokens = tree_greedy_accept(self.tensors, draft_tokens, gen_targets)
+        num, path, tokens = tree_greedy_accept(tensors, draft_tokens, gen_targets)
         if sampled is not None and num_gen:
-            num, path, tokens = self._rejection_sample(draft_tokens, spec_metadata, *sampled, (num, path, tokens))
+            num, path, tokens = self._rejection_sample(tensors, prob_rows, draft_tokens, spec_metadata, *sampled,
+                                                       (num, path, tokens))
         if forced is not None:
-            path = forced_tree_path(self.tensors, forced_num_accepted(forced, n, num_gen, spec_metadata.seed,
-                                                                      spec_metadata.offset))
-            num, tokens = self.tensors.depths[path[:, -1]] + 1, gen_targets.gather(1, path)
+            path = forced_tree_path(tensors, forced_num_accepted(forced, n, num_gen, spec_metadata.seed,
+                                                                 spec_metadata.offset))
+            num, tokens = tensors.depths.gather(1, path[:, -1:])[:, 0] + 1, gen_targets.gather(1, path)
         new_tokens, num_accepted = with_context_rows(target_tokens, num_contexts,
                                                      F.pad(tokens, (0, n + 1 - tokens.shape[1])), num)
         return new_tokens, num_accepted, torch.cat([path.new_zeros(num_contexts, path.shape[1]), path])
 
-    def _rejection_sample(self, draft_tokens: torch.Tensor, spec_metadata: SpecMetadata, gen_logits: torch.Tensor,
-                          draft_probs: torch.Tensor, greedy_result: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    @staticmethod
+    def _rejection_sample(tensors: TreeTensors, prob_rows: torch.Tensor, draft_tokens: torch.Tensor,
+                          spec_metadata: SpecMetadata, gen_logits: torch.Tensor, draft_probs: torch.Tensor,
+                          greedy_result: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled requests verified by :func:`tree_rejection_sample`; greedy ones (top-k 1) keep ``greedy_result``
         (num [G], path [G, D+1], tokens [G, D+1])."""
@@ -108,7 +128,7 @@ class TreeStep:
         temps, top_ks, top_ps = (x[spec_metadata.num_context_requests:] for x in spec_metadata.rows())
         probs = sampler.target_probs(gen_logits, temps, top_ks, top_ps).view(num_gen, n + 1, -1)
         seed, offset = spec_metadata.generation_streams()
-        sampled = tree_rejection_sample(self.tree, probs, draft_probs, draft_tokens, seed, offset, self.prob_rows)
+        sampled = tree_rejection_sample(tensors, probs, draft_probs, draft_tokens, seed, offset, prob_rows)
         greedy = top_ks.view(num_gen, n + 1)[:, 0] == 1
         num, path, tokens = greedy_result
         return (torch.where(greedy, num, sampled[0]), torch.where(greedy[:, None], path, sampled[2]),

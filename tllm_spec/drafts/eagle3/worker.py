@@ -12,6 +12,7 @@ from ..metadata import SpecMetadata
 from ..tree import DraftTree
 from .checkpoint import load_eagle3_checkpoint
 from .model import Eagle3DraftModel, resolve_capture_layers
+from .dynamic_tree import DynamicTreeStep
 from .tree_step import TreeStep
 
 
@@ -36,16 +37,18 @@ class Eagle3OneModelWorker(SpecWorkerBase):
     """
 
     def __init__(self, max_draft_len: int, draft_model: Eagle3DraftModel, use_flashinfer: bool = True,
-                 use_rejection_sampling: bool = False, tree: DraftTree | None = None):
-        super().__init__(tree.num_nodes if tree is not None else max_draft_len, use_flashinfer,
+                 use_rejection_sampling: bool = False, tree: DraftTree | DynamicTreeStep | None = None):
+        """``tree``: a static tree, or a dynamic one's step; either way the step verifies its N drafts."""
+        tree_step = TreeStep(tree) if isinstance(tree, DraftTree) else tree
+        super().__init__(tree_step.num_nodes if tree_step is not None else max_draft_len, use_flashinfer,
                          use_rejection_sampling)
         self.draft_model = draft_model
-        self.tree_step = TreeStep(tree) if tree is not None else None  # a static tree: N drafts a step
+        self.tree_step = tree_step
 
     def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         super().allocate_state(num_slots, vocab_size, device)
         if self.tree_step is not None:
-            self.tree_step.to(device)
+            self.tree_step.allocate(num_slots, device)
 
     @property
     def draft_prob_rows(self) -> int:
@@ -69,17 +72,18 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         self._execute_guided_decoder_if_present(target_logits)
         target_tokens = self.sample_target(target_logits, spec_metadata)
         first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
+        gen_slots = attn.token_slots[first_tokens]
         paths = None
         if self.tree_step is not None:
             sampled = None
             if self.samples_tree(spec_metadata):
-                sampled = (target_logits[num_contexts:], self.draft_probs[attn.token_slots[first_tokens]])
+                sampled = (target_logits[num_contexts:], self.draft_probs[gen_slots])
             new_tokens, num_accepted, paths = self.tree_step.accept(
                 target_tokens, draft_tokens, num_contexts, spec_metadata, self.forced_value if self.forcing else None,
-                sampled)
+                gen_slots, sampled)
         else:
             new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
-                                                          target_logits, attn.token_slots[first_tokens])
+                                                          target_logits, gen_slots)
         self._add_guided_draft_batch_if_present(num_accepted)
         if paths is None:
             next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, spec_metadata), target_features,
@@ -169,15 +173,15 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
     """The worker for ``cfg``: the head from ``cfg.speculative_model``, fed the target layers it was trained on
     (which this call makes the target capture). ``max_batch_size`` is unused: the head keeps no per-request
     state beyond the KV cache (the same signature as the MTP build function)."""
-    if cfg.use_dynamic_tree:
-        raise ValueError("use_dynamic_tree: dynamic draft trees are not available yet (static eagle_choices are)")
     tree = cfg.draft_tree if cfg.is_spec_dec_tree else None
+    if cfg.use_dynamic_tree:
+        tree = DynamicTreeStep(cfg.max_draft_len, cfg.dynamic_tree_max_topK, cfg.max_total_draft_tokens)
     if tree is not None and cfg.draft_len_schedule:
         raise ValueError("a draft tree drafts a fixed tree: draft_len_schedule applies to chains only")
     if tree is not None and target.lm_head.weight.is_cuda:
         raise ValueError("draft trees run on the CPU for now: the GPU attention kernel takes the tree mask, but "
                          "the tree step is not yet captured in CUDA graphs nor checked on a GPU")
-    if tree is not None:
+    if isinstance(tree, DraftTree):
         tree.tensors().relative_masks()  # a tree too big for the attention mask is refused here
     ckpt = load_eagle3_checkpoint(cfg.speculative_model, target_hidden_size=target.hidden_size,
                                   target_vocab_size=target.vocab_size)
