@@ -17,7 +17,7 @@ from tllm_spec.drafts.eagle3.dynamic_tree import DynamicTreeStep
 from tllm_spec.drafts.tree import DraftTree, tree_children, tree_tensors
 
 from ..models import tiny_pair
-from .test_tree_step import PROMPTS, TREE, demo
+from .test_tree_step import PROMPTS, TREE, demo, forced_accepted_per_step
 
 
 @functools.cache
@@ -117,15 +117,7 @@ def test_seeded_sampled_dynamic_trees_are_reproducible_and_accept_more_than_stri
 
 
 def test_forced_acceptance_takes_the_asked_count(monkeypatch):
-    model = dynamic(top_k=2, num_nodes=8, depth=4)
-    monkeypatch.setenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS", "3")
-    model.runner.refresh_forced_acceptance()
-    try:
-        outs = model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=31, ignore_eos=True))
-    finally:
-        monkeypatch.delenv("TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS")
-        model.runner.refresh_forced_acceptance()
-    assert all(set(o.stats.accepted_per_step[:-1]) == {4} for o in outs)
+    assert forced_accepted_per_step(dynamic(top_k=2, num_nodes=8, depth=4), 3, monkeypatch) == {4}
 
 
 def test_spec_metadata_names_the_dynamic_tree():
