@@ -24,8 +24,23 @@ def test_another_target_decodes_plainly_unless_given_a_draft():
     assert _spec("/models/llama", "--mtp") == MTPConfig(max_draft_len=3)
 
 
+def test_spec_config_adds_draft_fields_such_as_a_tree():
+    tree = '{"use_dynamic_tree": true, "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 25, "max_draft_len": 8}'
+    assert _spec("--spec-config", tree) == Eagle3Config(
+        speculative_model="demo://eagle3", max_draft_len=8, use_dynamic_tree=True, dynamic_tree_max_topK=3,
+        max_total_draft_tokens=25)
+    assert _spec("-k", "2", "--spec-config", '{"use_rejection_sampling": true}') == Eagle3Config(
+        speculative_model="demo://eagle3", max_draft_len=2, use_rejection_sampling=True)
+    assert _spec("--mtp", "--spec-config", '{"num_nextn_predict_layers": 1}') == MTPConfig(
+        max_draft_len=3, mtp_checkpoint="demo://mtp")
+
+
 @pytest.mark.parametrize("argv", [["serve", "--mtp", "--draft", "x"], ["serve", "--no-spec", "--mtp"], [],
-                                  ["serve", "--port", "http"]])
+                                  ["serve", "--port", "http"], ["serve", "--spec-config", "[1]"],
+                                  ["serve", "--spec-config", "{use_dynamic_tree: 1}"],
+                                  ["serve", "--spec-config", '{"max_draft_len": 0}', "--device", "cpu"],
+                                  ["serve", "--spec-config", '{"no_such_field": 1}', "--device", "cpu"],
+                                  ["serve", "--no-spec", "--spec-config", '{"max_draft_len": 2}', "--device", "cpu"]])
 def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

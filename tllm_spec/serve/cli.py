@@ -4,6 +4,8 @@
     tllm-spec serve --mtp                             # the demo target with its MTP module
     tllm-spec serve /models/llama --draft /models/eagle3 -k 3 --api-key KEY --port 8000
     tllm-spec serve /models/llama                     # a target alone: plain decoding
+    tllm-spec serve --spec-config '{"use_dynamic_tree": true, "dynamic_tree_max_topK": 3,
+                                    "max_total_draft_tokens": 25, "max_draft_len": 8}'   # a draft tree
 
 A TARGET without --draft or --mtp decodes plainly (the demo's EAGLE-3 head only fits the demo target). Usage and
 configuration errors are one line on stderr ("tllm-spec: error: ...") and exit status 2.
@@ -11,6 +13,7 @@ configuration errors are one line on stderr ("tllm-spec: error: ...") and exit s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -49,6 +52,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     draft.add_argument("--mtp", action="store_true", help="MTP modules (the target's own; the demo's ships beside it)")
     draft.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     p.add_argument("-k", "--max-draft-len", type=int, default=3, help="drafts proposed per step (default 3)")
+    p.add_argument("--spec-config", type=_json_object, default={}, metavar="JSON",
+                   help="more fields of the draft's config (Eagle3Config / MTPConfig, TensorRT-LLM's names) as a "
+                   "JSON object, e.g. a tree: '{\"eagle_choices\": [[0], [1], [0, 0]], \"max_draft_len\": 2}'")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -72,13 +78,24 @@ def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
     """The draft the flags ask for: on the demo target its EAGLE-3 head unless --mtp or --no-spec; on another
     target none unless --draft or --mtp."""
     demo = args.target in (None, DEMO_TARGET)
-    if args.no_spec:
+    fields = {"max_draft_len": args.max_draft_len, **args.spec_config}  # --spec-config's fields win
+    if args.no_spec or not (args.mtp or args.draft or demo):
+        if args.spec_config:
+            raise ValueError("--spec-config configures a draft: this run has none (give --draft or --mtp)")
         return None
     if args.mtp:
-        return MTPConfig(max_draft_len=args.max_draft_len, mtp_checkpoint=DEMO_MTP if demo else None)
-    if args.draft or demo:
-        return Eagle3Config(speculative_model=args.draft or DEMO_EAGLE3, max_draft_len=args.max_draft_len)
-    return None
+        return MTPConfig(**{"mtp_checkpoint": DEMO_MTP if demo else None, **fields})
+    return Eagle3Config(**{"speculative_model": args.draft or DEMO_EAGLE3, **fields})
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of config fields is needed, got {text!r}")
+    return value
 
 
 def load_model(args: argparse.Namespace) -> SpecModel:
