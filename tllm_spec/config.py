@@ -96,18 +96,23 @@ _SCHEDULE_DESCRIPTION = (
     "for batches of 1-31 requests, 2 for 32-127 and none from 128 on (the target then verifies no drafts; the "
     "draft network still reads the step so its cache stays whole). Must have the key 1; lengths lie in "
     "0..max_draft_len. None: max_draft_len at every batch size. scripts/benchmark.py --draft-len-sweep measures "
-    "one for a GPU and a model shape")
+    "one for a GPU and a model shape. With a draft tree (N = max_total_draft_tokens) an entry of N drafts the "
+    "tree and a smaller one a chain, e.g. {1: N, 8: 3, 64: 0}")
 
 
-def check_draft_len_schedule(schedule: dict[int, int] | None, max_draft_len: int) -> None:
+def check_draft_len_schedule(schedule: dict[int, int] | None, max_draft_len: int, tree_size: int | None = None
+                             ) -> None:
+    """``tree_size``: a draft tree's N, where an entry of N drafts the tree and a smaller one a chain (at most
+    max_draft_len, the tree's depth, and below N)."""
     if schedule is None:
         return
     if 1 not in schedule:
         raise ValueError(f"draft_len_schedule must give batch size 1 a draft length, got {schedule}")
-    bad = {b: k for b, k in schedule.items() if b < 1 or not 0 <= k <= max_draft_len}
+    chain_max = max_draft_len if tree_size is None else min(max_draft_len, tree_size - 1)
+    bad = {b: k for b, k in schedule.items() if b < 1 or not (0 <= k <= chain_max or k == tree_size)}
     if bad:
-        raise ValueError(f"draft_len_schedule: batch sizes must be >= 1 and draft lengths in 0..{max_draft_len}; "
-                         f"got {bad}")
+        lengths = f"0..{chain_max}" if tree_size is None else f"{tree_size} (the tree) or 0..{chain_max} (a chain)"
+        raise ValueError(f"draft_len_schedule: batch sizes must be >= 1 and draft lengths {lengths}; got {bad}")
 
 
 class Eagle3Config(_Frozen):
@@ -142,8 +147,9 @@ class Eagle3Config(_Frozen):
         if layers is not None and (len(layers) != 3 or min(layers) < 0):
             raise ValueError(f"eagle3_layers_to_capture must be 3 non-negative layer ids (repeats allowed), "
                              f"got {layers}")
-        check_draft_len_schedule(self.draft_len_schedule, self.max_draft_len)
         self._check_tree()
+        check_draft_len_schedule(self.draft_len_schedule, self.max_draft_len,
+                                 self.total_draft_tokens if self.is_spec_dec_tree else None)
         return self
 
     def _check_tree(self) -> None:

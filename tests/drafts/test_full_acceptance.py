@@ -20,7 +20,7 @@ class OracleWorker(Eagle3OneModelWorker):
         super().__init__(k, draft_model, use_flashinfer=False)
         self.sequences = sequences  # slot -> prompt + reference continuation
 
-    def draft(self, input_ids, target_tokens, target_features, num_accepted, attn, spec_metadata):
+    def draft(self, input_ids, target_tokens, target_features, num_accepted, attn, spec_metadata, paths=None):
         last = spec_metadata.gather_ids[spec_metadata.first_rows() + num_accepted - 1]
         rows = []
         for slot, pos in zip(attn.token_slots[last].tolist(), attn.positions[last].tolist()):

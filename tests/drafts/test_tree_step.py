@@ -65,12 +65,38 @@ def test_forced_acceptance_follows_the_most_likely_children(monkeypatch):
     assert forced_accepted_per_step(tree_model(), 2, monkeypatch) == {3}
 
 
-def test_a_draft_len_schedule_with_a_tree_is_refused():
-    target, head = tiny_pair("llama")
-    with pytest.raises(ValueError, match="chains only"):
-        SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=2,
-                                                       eagle_choices=[[0], [1], [0, 0]],
-                                                       draft_len_schedule={1: 2, 4: 1}))
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_a_draft_len_schedule_switches_between_the_tree_and_chains(tree):
+    """{1: N, 2: 2, 4: 0}: four requests of different lengths start as a batch of 4 (no drafts), go on as 3 and 2
+    (chains of 2) and end alone (the tree); a request decoding alone (the tree) joined by another goes on with
+    chains, then the tree again: steps move between tree, chain and none both ways, and the greedy output stays
+    the target's own."""
+    target, head = tiny_pair("llama", head_scale=4.0)
+    shape = (dict(eagle_choices=TREE) if tree == "static" else
+             dict(use_dynamic_tree=True, dynamic_tree_max_topK=3, max_total_draft_tokens=14))
+    cfg = Eagle3Config(speculative_model=str(head), max_draft_len=4, draft_len_schedule={1: 14, 2: 2, 4: 0},
+                       **shape)
+    model = SpecModel.from_pretrained(target, cfg, max_batch_size=4)
+    prompts = [[1 + (5 * i + j) % 90 for j in range(4 + 2 * i)] for i in range(4)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 12, 20, 40)]
+    plain = SpecModel.from_pretrained(target, None, max_batch_size=4).generate(prompts, params)
+    outs = model.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert outs[3].stats.drafts_per_step[0] == 2 and outs[3].stats.drafts_per_step[-1] == 14  # steps of 0: not kept
+    stream = iter(model.generate_stream(prompts[3], params[3]))  # alone: the tree; then joined by another
+    first = next(stream)
+    joined = model.generate(prompts[:1], params[0])[0]
+    rest = list(stream)
+    assert first.token_ids + [t for out in rest for t in out.token_ids] == plain[3].token_ids
+    assert joined.token_ids == plain[0].token_ids and set(joined.stats.drafts_per_step) <= {2}  # joined as a chain
+    drafts = rest[-1].output.stats.drafts_per_step
+    assert drafts[0] == 14 and 2 in drafts and drafts[-1] == 14  # tree, chain while two ran, tree again
+
+
+@pytest.mark.parametrize("schedule, message", [({1: 14, 2: 5}, "0..4"), ({1: 13}, "14 \\(the tree\\)")])
+def test_a_tree_schedule_with_lengths_neither_the_tree_nor_a_chain_is_refused(schedule, message):
+    with pytest.raises(ValidationError, match=message):
+        Eagle3Config(speculative_model="x", max_draft_len=4, eagle_choices=TREE, draft_len_schedule=schedule)
 
 
 def test_sampled_trees_with_rejection_sampling():

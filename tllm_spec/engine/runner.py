@@ -35,7 +35,9 @@ class ModelRunner:
                  engine_config: EngineConfig, tokenizer=None, draft_len_schedule: Mapping[int, int] | None = None):
         self.engine_config, self.tokenizer = engine_config, tokenizer
         self.max_draft_len = worker.max_draft_len
-        self.schedule = DraftLenSchedule(self.max_draft_len, draft_len_schedule, fixed=mode.is_mtp_vanilla())
+        tree_step = getattr(worker, "tree_step", None)
+        self.schedule = DraftLenSchedule(self.max_draft_len, draft_len_schedule, fixed=mode.is_mtp_vanilla(),
+                                         tree_depth=tree_step.max_depth if tree_step is not None else None)
         self.max_batch_size = engine_config.max_batch_size
         self.max_seq_len = engine_config.max_seq_len or min(
             getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
@@ -44,7 +46,6 @@ class ModelRunner:
         if worker.use_flashinfer:  # its JIT build (minutes on a fresh machine) runs beside what follows
             flashinfer_ops.start_sampling_build(device)
         metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, device)
-        tree_step = getattr(worker, "tree_step", None)
         if tree_step is not None:  # TensorRT-LLM's tree fields (max_total_draft_tokens: N, max_draft_len here)
             metadata.is_spec_dec_tree, metadata.is_spec_dec_dynamic_tree = True, tree_step.is_dynamic
         self.model = OneModel(target, worker, mode, metadata)
@@ -237,7 +238,7 @@ class ModelRunner:
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
                                        tokens_per_request=k + 1, context_starts=context_starts)
         tree_step = getattr(self.worker, "tree_step", None)
-        if tree_step is not None:
+        if tree_step is not None and k == tree_step.num_nodes:  # a tree verified (a shorter chain: a schedule's)
             attn = tree_step.verify_metadata(attn, sum(context_lens), num_gen)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
         return self.model.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)

@@ -197,7 +197,8 @@ def plot(result: dict[str, object], path: str | Path) -> Path | None:
             ax_rate.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
             hist = stats["histogram"]
             ax_hist.plot(range(len(hist)), [h / max(1, sum(hist)) for h in hist], marker="s", label=label)
-    k = max(head["max_draft_len"] for head in result["heads"].values())
+    k = max(len(stats["acceptance_rate_per_position"]) for head in result["heads"].values()
+            for key, stats in head.items() if key.startswith("T="))  # deepest accepted path (a tree's depth)
     ax_rate.set(title="acceptance rate per draft position", xlabel="draft position", ylim=(0, 1),
                 xticks=range(1, k + 1))
     ax_hist.set(title="accepted drafts per step", xlabel="accepted drafts", ylabel="fraction of steps",
@@ -205,6 +206,7 @@ def plot(result: dict[str, object], path: str | Path) -> Path | None:
     names = list(result["speed"])
     ax_speed.bar(names, [result["speed"][n]["tokens_per_s"] for n in names])
     ax_speed.set(title=f"tokens/s, batch 1, T=0 ({result['device']})")
+    ax_speed.tick_params(axis="x", labelrotation=20)
     ax_rate.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -74,7 +74,7 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
         gen_slots = attn.token_slots[first_tokens]
         paths = None
-        if self.tree_step is not None:
+        if self.verifies_tree(draft_tokens):
             sampled = None
             if self.samples_tree(spec_metadata):
                 sampled = (target_logits[num_contexts:], self.draft_probs[gen_slots])
@@ -86,14 +86,13 @@ class Eagle3OneModelWorker(SpecWorkerBase):
                                                           target_logits, gen_slots)
         self._add_guided_draft_batch_if_present(num_accepted)
         if paths is None:
-            next_draft_tokens = self.draft(input_ids, self.row_tokens(new_tokens, spec_metadata), target_features,
-                                           num_accepted, attn, spec_metadata)
+            row_tokens = self.row_tokens(new_tokens, spec_metadata)
         else:  # each row pairs with the token after it: the emitted one on the accepted path, else the target's
             gen_rows = path_tokens(target_tokens[num_contexts:], new_tokens[num_contexts:], num_accepted[num_contexts:],
                                    paths[num_contexts:])
             row_tokens = spec_metadata.with_next_prompt_tokens(torch.cat([new_tokens[:num_contexts, 0], gen_rows]), 0)
-            next_draft_tokens = self.draft_tree(input_ids, row_tokens, target_features, num_accepted, paths, attn,
-                                                spec_metadata)
+        next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata,
+                                       paths)
         return {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,
@@ -101,22 +100,43 @@ class Eagle3OneModelWorker(SpecWorkerBase):
             "next_new_tokens": self._prepare_next_new_tokens(new_tokens, num_accepted, next_draft_tokens),
         }
 
-    def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
-              num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata) -> torch.Tensor:
-        """k' = next_draft_len draft passes: one over every token of the step, then one token per request.
-        With k' = 0 the first pass still runs: it writes the draft's KV at the step's positions, which later
-        steps attend.
+    def verifies_tree(self, draft_tokens: torch.Tensor) -> bool:
+        """Whether the drafts being verified form the tree (N of them; fewer: a chain a draft-length schedule
+        chose for the batch size)."""
+        return self.tree_step is not None and draft_tokens.shape[1] == self.tree_step.num_nodes
 
-        row_tokens [R]: the emitted token after each sampling row. Returns [B, k'] int64."""
+    def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
+              num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata,
+              paths: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's first pass over every token of the step (each row paired with the token after it), which
+        writes the draft's KV at the step's positions (later steps attend it, so it runs even when nothing is
+        proposed); after a tree was verified (``paths`` [B, D+1]: each request's accepted path), the accepted
+        paths' K/V moved into place; then from each request's last accepted token the next drafts: the tree when
+        next_draft_len is its size N, else a chain of next_draft_len (one head pass a token).
+
+        row_tokens [R]: the emitted token after each sampling row. Returns [B, next_draft_len] int64."""
         hidden, gather_ids = self._first_pass(input_ids, row_tokens, target_features, attn, spec_metadata)
-        last = gather_ids[spec_metadata.first_rows() + num_accepted - 1]  # [B] flat index of the last accepted
-        if spec_metadata.next_draft_len == 0:
+        first = spec_metadata.first_rows()
+        if paths is None:
+            last = gather_ids[first + num_accepted - 1]  # [B] flat index of the last accepted
+            position = attn.positions[last]
+        else:
+            roots = gather_ids[first]  # flat index of each request's first token (a prompt's: its last)
+            last = gather_ids[first + paths.gather(1, (num_accepted - 1)[:, None])[:, 0]]
+            num_ctx = spec_metadata.num_context_requests
+            if spec_metadata.num_generation_requests:
+                self.tree_step.compact(attn.kv_cache, attn, roots[num_ctx:], paths[num_ctx:], num_accepted[num_ctx:])
+            position = attn.positions[roots] + num_accepted - 1  # the last accepted token's row once compacted
+        hidden, slots, next_k = hidden[last], attn.token_slots[last], spec_metadata.next_draft_len
+        if self.tree_step is not None and next_k == self.tree_step.num_nodes:
+            return self.tree_step.draft(self.draft_model, hidden, position, slots, attn, spec_metadata,
+                                        self.draft_probs if self.samples_tree(spec_metadata) else None)
+        if next_k == 0:
             return last.new_zeros(last.shape[0], 0)
-        hidden, positions, slots = hidden[last], attn.positions[last], attn.token_slots[last]
         drafts = [self._propose(hidden, 0, slots, spec_metadata)]
-        for step in range(1, spec_metadata.next_draft_len):
-            positions = positions + 1
-            hidden = self.draft_model(drafts[-1], hidden, attn.for_tokens(slots, positions))
+        for step in range(1, next_k):
+            position = position + 1
+            hidden = self.draft_model(drafts[-1], hidden, attn.for_tokens(slots, position))
             drafts.append(self._propose(hidden, step, slots, spec_metadata))
         return torch.stack(drafts, dim=1)
 
@@ -127,23 +147,6 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         gather_ids = spec_metadata.gather_ids[:spec_metadata.num_rows]
         draft_ids = self._prepare_context_input_ids(input_ids, gather_ids, row_tokens)
         return self.draft_model(draft_ids, target_features, attn), gather_ids
-
-    def draft_tree(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
-                   num_accepted: torch.Tensor, paths: torch.Tensor, attn: AttentionMetadata,
-                   spec_metadata: SpecMetadata) -> torch.Tensor:
-        """A tree step's drafting: the first pass over the step's tokens (tree rows, tree mask), the accepted
-        paths' K/V into place, then the next tree from each request's last accepted token (its row: root + n - 1
-        once compacted). paths [B, D+1]: each request's accepted path. Returns [B, N] int64."""
-        hidden, gather_ids = self._first_pass(input_ids, row_tokens, target_features, attn, spec_metadata)
-        first = spec_metadata.first_rows()
-        roots = gather_ids[first]  # flat index of each request's first token (a prompt's: its last)
-        last = gather_ids[first + paths.gather(1, (num_accepted - 1)[:, None])[:, 0]]
-        num_ctx = spec_metadata.num_context_requests
-        if spec_metadata.num_generation_requests:
-            self.tree_step.compact(attn.kv_cache, attn, roots[num_ctx:], paths[num_ctx:], num_accepted[num_ctx:])
-        position = attn.positions[roots] + num_accepted - 1
-        return self.tree_step.draft(self.draft_model, hidden[last], position, attn.token_slots[last], attn,
-                                    spec_metadata, self.draft_probs if self.samples_tree(spec_metadata) else None)
 
     def samples_tree(self, spec_metadata: SpecMetadata) -> bool:
         """Whether this step's tree is drawn and verified by rejection sampling (some request samples)."""
@@ -176,8 +179,6 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
     tree = cfg.draft_tree if cfg.is_spec_dec_tree else None
     if cfg.use_dynamic_tree:
         tree = DynamicTreeStep(cfg.max_draft_len, cfg.dynamic_tree_max_topK, cfg.max_total_draft_tokens)
-    if tree is not None and cfg.draft_len_schedule:
-        raise ValueError("a draft tree drafts a fixed tree: draft_len_schedule applies to chains only")
     if tree is not None and target.lm_head.weight.is_cuda:
         raise ValueError("draft trees run on the CPU for now: the GPU attention kernel takes the tree mask, but "
                          "the tree step is not yet captured in CUDA graphs nor checked on a GPU")
