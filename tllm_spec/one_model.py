@@ -48,9 +48,10 @@ class OneModel(nn.Module):
         logits = self.target.compute_logits(hidden[metadata.gather_ids[:metadata.num_rows]])
         features = captured if self.mode.is_eagle3_one_model() else hidden
         out = self.worker(input_ids, logits, features, draft_tokens, attn, metadata)
+        rows = out.pop("emitted_rows", None)  # a tree step's: the accepted path's rows
         if metadata.logprobs_width:  # the logits as the worker read them (a grammar masks them in place)
             out.update(token_logprobs(logits, out["new_tokens"], metadata.num_context_requests,
-                                      metadata.logprobs_width))
+                                      metadata.logprobs_width, rows))
         return out
 
     def packed_forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor

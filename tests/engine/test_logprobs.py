@@ -19,7 +19,11 @@ from ..models import eagle3, tiny_guided_pair
 from .test_run_ahead import count_steps_run_ahead
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
-SPEC = {"eagle3": Eagle3Config(speculative_model="demo://eagle3", max_draft_len=3), "mtp": MTPConfig(), "plain": None}
+SPEC = {"eagle3": Eagle3Config(speculative_model="demo://eagle3", max_draft_len=3), "mtp": MTPConfig(), "plain": None,
+        "static-tree": Eagle3Config(speculative_model="demo://eagle3", max_draft_len=2,
+                                    eagle_choices=[[0], [1], [2], [0, 0], [1, 0]], use_rejection_sampling=True),
+        "dynamic-tree": Eagle3Config(speculative_model="demo://eagle3", max_draft_len=4, use_dynamic_tree=True,
+                                     dynamic_tree_max_topK=3, max_total_draft_tokens=14, use_rejection_sampling=True)}
 TOL = 1e-4
 
 
@@ -54,8 +58,9 @@ def check_against(reference: torch.Tensor, out: RequestOutput, num_top: int) -> 
             assert top[token] == value
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "mtp"])
+@pytest.mark.parametrize("spec", ["eagle3", "mtp", "static-tree", "dynamic-tree"])
 def test_greedy_speculative_logprobs_equal_plain_decoding_and_hf(spec):
+    """A tree's emitted tokens come from the rows of its accepted path's nodes, not from its first rows."""
     params = SamplingParams(max_new_tokens=40, logprobs=5)
     outs, plain = demo(spec).generate(PROMPTS, params), demo("plain").generate(PROMPTS, params)
     assert outs.stats["mean_accepted_length"] > 1.5  # steps emit several tokens: every column of a step is read
@@ -67,9 +72,10 @@ def test_greedy_speculative_logprobs_equal_plain_decoding_and_hf(spec):
         assert all(next(iter(top)) == token for top, token in zip(out.top_logprobs, out.token_ids))  # greedy: top-1
 
 
-def test_sampled_requests_get_the_logprob_of_the_sampled_token():
+@pytest.mark.parametrize("spec", ["eagle3", "dynamic-tree"])
+def test_sampled_requests_get_the_logprob_of_the_sampled_token(spec):
     params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, logprobs=20)
-    outs = demo("eagle3").generate(PROMPTS, params)
+    outs = demo(spec).generate(PROMPTS, params)
     for out in outs:
         check_against(hf_logprobs(hf_demo(), out), out, 20)
     not_top1 = [t for out in outs for t, top in zip(out.token_ids, out.top_logprobs) if next(iter(top)) != t]

@@ -1,7 +1,8 @@
 """Logprobs of the emitted tokens (OpenAI / vLLM ``logprobs``): computed inside the step only when a request of the
 batch asks for them, carried out of it in the packed outputs, decoded on the host.
 
-The distribution is the target's: ``log_softmax(logits)`` in fp32 at the row that produced the token, before
+The distribution is the target's: ``log_softmax(logits)`` in fp32 at the row that produced the token (in a tree step
+the row of its accepted path's node), before
 temperature, top-k and top-p (vLLM's default "raw" logprobs) and after a grammar's mask (applied to the logits in
 place before anything reads them, as vLLM applies its bitmask). Speculation does not change it: an emitted token's
 row is the target row that verified it. A step computes ``width`` top entries per row, the batch's largest N rounded
@@ -34,34 +35,35 @@ def logprobs_columns(max_draft_len: int, width: int) -> int:
     return (max_draft_len + 1) * (1 + width) if width else 0
 
 
-def token_logprobs(logits: torch.Tensor, new_tokens: torch.Tensor, num_contexts: int, width: int
-                   ) -> dict[str, torch.Tensor]:
+def token_logprobs(logits: torch.Tensor, new_tokens: torch.Tensor, num_contexts: int, width: int,
+                   rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The emitted tokens' logprobs and the ``width`` most likely tokens at their rows.
 
-    logits [R, V] in the flat row layout; new_tokens [B, k+1] int64: a context request's token came from its one row,
-    column j of generation request g from row num_contexts + g(k+1) + j. Returns token_logprobs [B, k+1] f32,
-    top_logprob_ids [B, k+1, W] int64 and top_logprobs [B, k+1, W] f32 (W = min(width, V), best first); a context
-    request's columns past its first are zeros."""
+    logits [R, V] in the flat row layout; new_tokens [B, k+1] int64; rows [B, k+1] int64: the row that produced
+    each column (default: a chain's, a context request's token from its one row and column j of generation
+    request g from row num_contexts + g(k+1) + j; a tree's: the nodes of its accepted path). Returns
+    token_logprobs [B, k+1] f32, top_logprob_ids [B, k+1, W] int64 and top_logprobs [B, k+1, W] f32 (W =
+    min(width, V), best first); a context request's columns past its first are zeros."""
+    if rows is None:
+        rows = chain_rows(num_contexts, new_tokens.shape[0] - num_contexts, new_tokens.shape[1], logits.device)
     logits = logits.float()
     normalizer = torch.logsumexp(logits, -1, keepdim=True)  # [R, 1]: log_softmax = logits - normalizer
-    chosen = logits.gather(1, _rows_of(new_tokens, num_contexts)[:, None]) - normalizer  # [R, 1]
     top_values, top_ids = logits.topk(min(width, logits.shape[-1]), dim=-1)  # [R, W] sorted
-    k1 = new_tokens.shape[1]
-    return {"token_logprobs": _tokens_of(chosen, num_contexts, k1).squeeze(-1),
-            "top_logprob_ids": _tokens_of(top_ids, num_contexts, k1),
-            "top_logprobs": _tokens_of(top_values - normalizer, num_contexts, k1)}
+    chosen = logits[rows].gather(-1, new_tokens[..., None])[..., 0] - normalizer[rows][..., 0]  # [B, k+1]
+    kept = torch.ones_like(new_tokens, dtype=torch.bool)
+    kept[:num_contexts, 1:] = False  # a context request emits one token
+    return {"token_logprobs": torch.where(kept, chosen, 0.0),
+            "top_logprob_ids": torch.where(kept[..., None], top_ids[rows], 0),
+            "top_logprobs": torch.where(kept[..., None], (top_values - normalizer)[rows], 0.0)}
 
 
-def _rows_of(new_tokens: torch.Tensor, num_contexts: int) -> torch.Tensor:
-    """The emitted token after each row. new_tokens [B, k+1] -> [R]."""
-    return torch.cat([new_tokens[:num_contexts, 0], new_tokens[num_contexts:].flatten()])
-
-
-def _tokens_of(per_row: torch.Tensor, num_contexts: int, k1: int) -> torch.Tensor:
-    """Rows to token positions: [R, W] -> [B, k1, W] (a context request's row at column 0, zeros after it)."""
-    ctx = per_row[:num_contexts, None]  # [C, 1, W]
-    ctx = torch.cat([ctx, ctx.new_zeros(num_contexts, k1 - 1, per_row.shape[1])], dim=1)
-    return torch.cat([ctx, per_row[num_contexts:].view(-1, k1, per_row.shape[1])])
+def chain_rows(num_contexts: int, num_generation: int, tokens_per_request: int, device: torch.device | str
+               ) -> torch.Tensor:
+    """[B, k+1]: the flat logits row of each emitted column in a chain step (a context request's one row for all
+    its columns)."""
+    context = torch.arange(num_contexts, device=device)[:, None].expand(-1, tokens_per_request)
+    generation = num_contexts + torch.arange(num_generation * tokens_per_request, device=device)
+    return torch.cat([context, generation.view(num_generation, tokens_per_request)])
 
 
 def pack_logprobs(out: dict[str, torch.Tensor], max_draft_len: int) -> torch.Tensor:

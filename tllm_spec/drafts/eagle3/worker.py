@@ -93,12 +93,15 @@ class Eagle3OneModelWorker(SpecWorkerBase):
             row_tokens = spec_metadata.with_next_prompt_tokens(torch.cat([new_tokens[:num_contexts, 0], gen_rows]), 0)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata,
                                        paths)
-        return {
+        out = {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,
             "next_draft_tokens": next_draft_tokens,
             "next_new_tokens": self._prepare_next_new_tokens(new_tokens, num_accepted, next_draft_tokens),
         }
+        if paths is not None:  # the row that produced each emitted token (its logprobs'): the path's nodes
+            out["emitted_rows"] = emitted_rows(paths, num_contexts, new_tokens.shape[1])
+        return out
 
     def verifies_tree(self, draft_tokens: torch.Tensor) -> bool:
         """Whether the drafts being verified form the tree (N of them; fewer: a chain a draft-length schedule
@@ -156,6 +159,17 @@ class Eagle3OneModelWorker(SpecWorkerBase):
                  ) -> torch.Tensor:
         logits = self.draft_model.compute_logits(hidden)
         return self.draft_tokens_from_logits(logits, self.draft_model.vocab_offsets, step, slots, spec_metadata)
+
+
+def emitted_rows(paths: torch.Tensor, num_contexts: int, tokens_per_request: int) -> torch.Tensor:
+    """[B, N+1]: the flat logits row behind each emitted column of a tree step: node paths[b, j] of generation
+    request g's block (a context request's: its one row). paths [B, D+1] (a context request's: zeros)."""
+    num_gen = paths.shape[0] - num_contexts
+    nodes = F.pad(paths, (0, tokens_per_request - paths.shape[1]), mode="replicate")
+    device = paths.device
+    base = torch.cat([torch.arange(num_contexts, device=device),
+                      num_contexts + torch.arange(num_gen, device=device) * tokens_per_request])
+    return base[:, None] + nodes
 
 
 def path_tokens(target_tokens: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
