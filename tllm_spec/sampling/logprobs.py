@@ -1,11 +1,10 @@
 """Logprobs of the emitted tokens (OpenAI / vLLM ``logprobs``): computed inside the step only when a request of the
 batch asks for them, carried out of it in the packed outputs, decoded on the host.
 
-The distribution is the target's: ``log_softmax(logits)`` in fp32 at the row that produced the token (in a tree step
-the row of its accepted path's node), before
-temperature, top-k and top-p (vLLM's default "raw" logprobs) and after a grammar's mask (applied to the logits in
-place before anything reads them, as vLLM applies its bitmask). Speculation does not change it: an emitted token's
-row is the target row that verified it. A step computes ``width`` top entries per row, the batch's largest N rounded
+The distribution is the target's: ``log_softmax(logits)`` in fp32 at the row that produced the token (in a tree
+step the row of its accepted path's node), before temperature, top-k and top-p (vLLM's default "raw" logprobs) and
+after a grammar's mask (applied to the logits in place before anything reads them, as vLLM applies its bitmask).
+Speculation does not change it: an emitted token's row is the target row that verified it. A step computes ``width`` top entries per row, the batch's largest N rounded
 up to one of :data:`LOGPROBS_WIDTHS`, so that CUDA graphs and compilations stay few.
 
 Packing (after the 2K+3 token columns): the chosen tokens' logprobs, K+1 columns of fp32 bits; then (K+1)*W
