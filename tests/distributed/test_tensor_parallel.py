@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from pydantic import ValidationError
 
-from tllm_spec import EngineConfig, MTPConfig, SamplingParams
+from tllm_spec import Eagle3Config, EngineConfig, MTPConfig, SamplingParams
 from tllm_spec.distributed.parallel import TensorParallel, check_shardable
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.random_models import save_random_head, save_random_target, target_config
@@ -85,7 +85,9 @@ def _rank_main(rank: int, init_file: str, backend: str, fn, args: tuple, results
 def _generate_tp2(target: str, head: str) -> dict[str, list[list[int]]]:
     params = [SamplingParams(max_new_tokens=n, logprobs=None if i else 3) for i, n in enumerate(MAX_NEW)]
     out = {}
-    for name, spec in (("eagle3", eagle3(Path(head), 3)), ("plain", None)):
+    tree = Eagle3Config(speculative_model=head, max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2,
+                        max_total_draft_tokens=6, use_rejection_sampling=True)
+    for name, spec in (("eagle3", eagle3(Path(head), 3)), ("plain", None), ("dynamic tree", tree)):
         model = SpecModel.from_pretrained(target, spec, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
         assert model.target.fused is not None and model.target.parallel.size == WORLD_SIZE
         outs = model.generate(PROMPTS, params)
@@ -107,7 +109,8 @@ def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
     assert [o.token_ids for o in tp1_outs] == hf
     assert ranks[0]["eagle3"] == hf
     assert ranks[0]["plain"] == hf
-    for name in ("eagle3 logprobs", "plain logprobs"):  # the gathered vocabulary's log-softmax, as TP 1's
+    assert ranks[0]["dynamic tree"] == hf  # each rank grows the same trees from the gathered logits
+    for name in ("eagle3 logprobs", "plain logprobs", "dynamic tree logprobs"):  # the gathered vocabulary's log-softmax, as TP 1's
         logprobs, tops = ranks[0][name]
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(tp1_outs[0].logprobs), atol=1e-4)
         assert [list(top) for top in tops] == [list(top) for top in tp1_outs[0].top_logprobs]
