@@ -8,6 +8,7 @@ import torch
 
 from tllm_spec import SamplingParams
 from tllm_spec.engine.cuda_graphs import CUDAGraphRunner, advance_inputs
+from tllm_spec.engine.runner import ModelRunner
 from tllm_spec.spec_model import SpecModel
 
 from ..models import eagle3, hf_greedy, tiny_pair
@@ -177,3 +178,35 @@ def test_prompts_beside_the_graph_keep_a_draft_len_schedule(monkeypatch):
               for i, n in enumerate([20, 9, 17, 25, 12])]
     got, expected = graphed.generate(prompts, params, seed=3), eager.generate(prompts, params, seed=3)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_draft_trees_through_the_graph_runner_equal_eager(tree, monkeypatch):
+    """A draft tree's step as the graph runner runs it (static buffers padded to buckets, tree runs rotated and
+    masked inside the step, steps run ahead on the device's own outputs, a prompt joining the batch run beside its
+    graph), on the demo pair (its trained head
+    accepts paths that leave the tree's first rows): greedy requests equal plain decoding, and greedy and seeded
+    sampled requests (rejection sampling) equal an engine without graphs, steps and acceptance included."""
+    from tllm_spec import Eagle3Config
+    shape = (dict(max_draft_len=2, eagle_choices=[[0], [1], [2], [0, 0], [1, 0]]) if tree == "static" else
+             dict(max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=6))
+    config = Eagle3Config(speculative_model="demo://eagle3", use_rejection_sampling=True, **shape)
+    graphed, eager, plain = (SpecModel.from_pretrained("demo://target", spec, dtype=torch.float32, device="cpu",
+                                                       max_batch_size=4) for spec in (config, config, None))
+    graphed.runner.graph_runner = graphed.runner.new_graph_runner()
+    prompts = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in ", "class Stack:\n", "x = ["]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if i % 2 else 0.9, seed=None if i % 2 else 60 + i)
+              for i, n in enumerate([20, 30, 17, 25, 12])]
+    launched = count_steps_run_ahead(monkeypatch)
+    beside, graphs_generation = [0], ModelRunner._graphs_generation
+
+    def counting(self, params, num_ctx):  # a prompt joining the graphed batch, run beside its graph
+        graphed_here = graphs_generation(self, params, num_ctx)
+        beside[0] += graphed_here and num_ctx > 0
+        return graphed_here
+    monkeypatch.setattr(ModelRunner, "_graphs_generation", counting)
+    ahead, expected = graphed.generate(prompts, params), eager.generate(prompts, params)
+    assert launched[0] > 0 and beside[0] > 0
+    assert [(o.token_ids, o.stats) for o in ahead] == [(o.token_ids, o.stats) for o in expected]
+    greedy = plain.generate([prompts[1], prompts[3]], [params[1], params[3]])
+    assert [ahead[1].token_ids, ahead[3].token_ids] == [o.token_ids for o in greedy]

@@ -15,6 +15,8 @@ from ..models import eagle3, tiny_pair
 from ..test_mtp_lossless import mtp_target
 
 BATCH = 5
+TREES = {"eagle3_static_tree": {"max_draft_len": 2, "eagle_choices": [[0], [1], [0, 0], [0, 1], [1, 0]]},
+         "eagle3_dynamic_tree": {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "max_total_draft_tokens": 6}}
 LAYER_STACK = "FusedDecoder._compiled_layers"  # the step's one graph break, by design
 
 
@@ -32,9 +34,9 @@ def _fresh_dynamo():
 
 
 def _model(worker: str, rejection: bool) -> SpecModel:
-    if worker == "eagle3":
+    if worker.startswith("eagle3"):
         target, head = tiny_pair("qwen3")
-        config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection})
+        config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection, **TREES.get(worker, {})})
         return SpecModel.from_pretrained(target, config, dtype=torch.float32, max_batch_size=BATCH)
     if worker.startswith("mtp"):
         config = (MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True) if worker == "mtp_vanilla" else
@@ -58,7 +60,9 @@ def _step_modules(model):
 
 
 @pytest.mark.parametrize("worker,temperature", [("eagle3", 0.0), ("eagle3", 0.8), ("mtp", 0.8), ("mtp_vanilla", 0.0),
-                                                ("plain", 0.0)])
+                                                ("plain", 0.0), ("eagle3_static_tree", 0.0),
+                                                ("eagle3_static_tree", 0.8), ("eagle3_dynamic_tree", 0.0),
+                                                ("eagle3_dynamic_tree", 0.8)])
 def test_generation_step_breaks_only_at_the_layer_stack(worker, temperature):
     model = _model(worker, rejection=temperature > 0)
     k = model.max_draft_len

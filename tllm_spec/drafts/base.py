@@ -16,6 +16,7 @@ _SALT_TARGET, _SALT_DRAFT = 0x7A, 0xD7  # per-request streams share counters bet
 
 if TYPE_CHECKING:
     from ..guided.decoder import GuidedDecoder
+    from ..model.attention import AttentionMetadata
 
 
 class SpecWorkerBase(nn.Module, ABC):
@@ -71,6 +72,12 @@ class SpecWorkerBase(nn.Module, ABC):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of the draft network's cache layers, placed after the target's."""
         return []
+
+    def verify_metadata(self, attn: AttentionMetadata, num_context_tokens: int, num_generation: int,
+                        draft_len: int) -> AttentionMetadata:
+        """The step's attention metadata as its generation runs of ``draft_len`` drafts need it: a chain's as
+        built (a draft tree's worker rotates and masks tree runs)."""
+        return attn
 
     @property
     def context_lookahead(self) -> int:

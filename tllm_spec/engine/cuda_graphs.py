@@ -82,6 +82,7 @@ def generation_step(model: OneModel, kv: KVCache, ids: torch.Tensor, positions: 
     model.spec_metadata.bind_generation_requests(drafts)
     attn = AttentionMetadata.build(kv, slots, positions, kv.max_pages_per_request * kv.page_size,
                                    tokens_per_request=drafts.shape[1] + 1)
+    attn = model.worker.verify_metadata(attn, 0, drafts.shape[0], drafts.shape[1])  # a tree's runs: masked
     return model.packed_forward(ids, attn, drafts)
 
 

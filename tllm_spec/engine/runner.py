@@ -214,14 +214,14 @@ class ModelRunner:
         """Whether the step's generation requests replay a CUDA graph: always when there is no prompt chunk, and
         beside one too (the prompt chunks then run as an eager step of their own, launched after the graph: an
         eager step over the whole batch would cost every running stream several graphed steps' time), unless
-        guided decoding or a draft tree needs the batch's rows together, or the two parts' packed outputs
-        differ in width (logprobs asked on one side only)."""
+        guided decoding needs the batch's rows together, or the two parts' packed outputs differ in width
+        (logprobs asked on one side only)."""
         gen = params[num_ctx:]
         if self.graph_runner is None or not gen or not self.graph_runner.bucket(len(gen)):
             return False
         if not num_ctx:
             return True
-        return (self.worker.guided_decoder is None and getattr(self.worker, "tree_step", None) is None
+        return (self.worker.guided_decoder is None
                 and sampling_variant(params[:num_ctx])[2] == sampling_variant(gen)[2])
 
     def _eager_step(self, ids: list[int], positions: list[int], slots: list[int], drafts: list[int],
@@ -237,9 +237,7 @@ class ModelRunner:
                                        torch.tensor(positions, device=device),
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
                                        tokens_per_request=k + 1, context_starts=context_starts)
-        tree_step = getattr(self.worker, "tree_step", None)
-        if tree_step is not None and k == tree_step.num_nodes:  # a tree verified (a shorter chain: a schedule's)
-            attn = tree_step.verify_metadata(attn, sum(context_lens), num_gen)
+        attn = self.worker.verify_metadata(attn, sum(context_lens), num_gen, k)
         draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
         return self.model.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
 

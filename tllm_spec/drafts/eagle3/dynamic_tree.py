@@ -52,6 +52,7 @@ class DynamicTreeStep(TreeStep):
         """Per-slot trees, each set to the shape a tree of equal scores takes until the slot drafts its own."""
         parents, rows = self._shape(lambda depth, chosen: torch.zeros(1, 1 if chosen is None else self.top_k,
                                                                       self.top_k, device=device))[:2]
+        self.frontier_slots = torch.arange(self.top_k, device=device)  # device constants the step indexes with
         self.parents = parents.expand(max(num_slots, 1), -1).clone()  # [S, N+1]
         self.slot_prob_rows = rows.expand(max(num_slots, 1), -1).clone()  # [S, N+1]
         return self
@@ -88,9 +89,9 @@ class DynamicTreeStep(TreeStep):
                 parent_slot = chosen // k
                 ids = tokens[-1].flatten(1).gather(1, chosen)
                 frontier_rows = [1 + (depth - 2) * k + f for f in range(k)]
-                own = torch.tensor(frontier_rows, device=hidden.device)
+                own = 1 + (depth - 2) * k + self.frontier_slots  # [k]: their draft rows (no host tensor)
                 visible = visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])).clone()
-                visible[:, torch.arange(k), own] = True
+                visible[:, self.frontier_slots, own] = True
                 meta = AttentionMetadata(attn.kv_cache, (position[:, None] + own).flatten(),
                                          slots.repeat_interleave(k), attn.max_kv_len, tokens_per_request=k,
                                          rope_positions=(position[:, None] + depth - 1).expand(num, k).flatten(),

@@ -55,8 +55,9 @@ class TreeStep:
         """Put the tree's tensors on ``device`` (a static tree keeps nothing per slot)."""
         self.tensors: TreeTensors = self.tree.tensors(device)
         self.masks = self.tensors.relative_masks()  # [N+1] int64
-        rows = parent_rows(self.tree)
-        self.prob_rows = torch.tensor(rows, device=device)  # [N+1]: row of a node's kept draft distribution
+        self.host_prob_rows = parent_rows(self.tree)  # row of a node's kept draft distribution (indexing with
+        self.prob_rows = torch.tensor(self.host_prob_rows, device=device)  # a host int: no sync in the step)
+        rows = self.host_prob_rows
         self.num_parents = max(rows) + 1
         children = tree_children(self.tree)
         # per depth from 1: the nodes with children (one head pass each), as a list and on the device
@@ -204,5 +205,5 @@ class TreeStep:
         if not spec_metadata.has_request_seeds:
             rng.advance(seed)  # the batch stream moves on after a draw (per-request streams already have)
         drawn = (q.log() - torch.log(-torch.log(uniform))).topk(ranked.shape[1], dim=-1).indices
-        draft_probs[slots, self.prob_rows[node]] = full_vocab_probs(q, d2t, draft_probs.shape[-1])
+        draft_probs[slots, self.host_prob_rows[node]] = full_vocab_probs(q, d2t, draft_probs.shape[-1])
         return torch.where((top_ks == 1)[:, None], ranked, drawn)
