@@ -4,6 +4,7 @@ Random-weight target of a named shape and a random EAGLE-3 head (no download); a
 TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 
     python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
+    python scripts/benchmark.py --tree default --batches 1 8 32 --forced 3 --no-hf   # the default static tree
     python scripts/benchmark.py --plot-only runs/bench/benchmark.json
     torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape llama-3.1-70b --no-hf
     python scripts/benchmark.py --context 2048 8192 32768 --batches 1 8 --attention-backends old split flashinfer xqa
@@ -34,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tllm_spec.distributed.parallel import local_process_device
+from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.benchmark import (
     force_acceptance,
@@ -60,6 +62,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
+    p.add_argument("--tree", nargs="?", const="default", help="the head drafts a static tree: 'default' "
+                   "(DEFAULT_EAGLE_CHOICES) or eagle_choices as JSON; -k becomes its depth (forced acceptance "
+                   "follows its most likely children)")
+    p.add_argument("--dynamic-tree", type=int, nargs=3, metavar=("TOPK", "DRAFTS", "DEPTH"),
+                   help="the head grows a dynamic tree (a random head's trees are shallow: forced acceptance "
+                   "stops at the depth they reach)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5; 0 means off, as in TensorRT-LLM: the draft's own acceptance, ~0 drafts for random heads)")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -85,7 +93,21 @@ def parse_args() -> argparse.Namespace:
     startup.add_argument("--gpu-tests", action="store_true", help="also time pytest tests/gpu on the warm caches")
     args = p.parse_args()
     check_context_arguments(p, args)
+    if args.tree and args.dynamic_tree:
+        p.error("--tree and --dynamic-tree exclude each other")
     return args
+
+
+def tree_fields(args: argparse.Namespace) -> dict:
+    """Eagle3Config fields of the tree the flags ask for (none: a chain of -k); sets -k to its depth."""
+    if args.tree:
+        choices = DEFAULT_EAGLE_CHOICES if args.tree == "default" else json.loads(args.tree)
+        args.max_draft_len = max(len(c) for c in choices)
+        return {"eagle_choices": [list(c) for c in choices]}
+    if args.dynamic_tree:
+        top_k, size, args.max_draft_len = args.dynamic_tree
+        return {"use_dynamic_tree": True, "dynamic_tree_max_topK": top_k, "max_total_draft_tokens": size}
+    return {}
 
 
 def main() -> None:
@@ -109,6 +131,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = local_process_device(torch.device("cuda")) if tp > 1 else torch.device("cuda")
+    tree = tree_fields(args)
     k = args.max_draft_len
     forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
     bandwidth = measure_bandwidth(device)
@@ -117,7 +140,7 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
                "dtype": "bfloat16",
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": []}
+               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None}
     variants = [("default", {})]
     if args.compare_eager:
         variants += [("fused, not compiled", dict(compile_step=False)),
@@ -125,7 +148,8 @@ def main() -> None:
     for name, options in variants:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as workdir:
-            spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", **engine, **options)
+            spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", spec_fields=tree,
+                                     **engine, **options)
         plain = SpecModel.from_target(spec.target, None, **engine, **options)
         todo = forced if name == "default" else [float(k)]
         force_acceptance(plain, None)  # each captured as its first points run: forcing on or off recompiles

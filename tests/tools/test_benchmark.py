@@ -29,6 +29,19 @@ def test_step_bytes_counts_weights_once_draft_per_pass_and_kv():
                                                                           - 2 * 2 * 10 * (2 * 2 * 16))
 
 
+def test_step_bytes_of_a_tree_step_count_a_head_pass_per_depth():
+    """A tree of 5 drafts, 2 deep, reads what a chain of its depth reads (the tree's rows share one read of the
+    weights and of the context's K/V); a schedule's chain step of 1 draft reads a chain's."""
+    target, head = tiny_pair("llama")
+    chain = SpecModel.from_pretrained(target, eagle3(head, 2), max_batch_size=2)
+    tree = SpecModel.from_pretrained(target, eagle3(head, 2).model_copy(update={
+        "eagle_choices": [[0], [1], [2], [0, 0], [1, 0]]}), max_batch_size=2)
+    assert tree.max_draft_len == 5
+    assert step_bytes(tree, batch=2, context_len=10) == step_bytes(chain, batch=2, context_len=10)
+    assert step_bytes(tree, batch=2, context_len=10, draft_len=1) == step_bytes(chain, batch=2, context_len=10,
+                                                                                draft_len=1)
+
+
 def test_expected_accepted_drafts_of_a_chain():
     assert expected_accepted_drafts(0, 0.7) == 0
     assert expected_accepted_drafts(3, 0.7) == pytest.approx(0.7 + 0.49 + 0.343)
