@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from .draft_shape import SCHEDULE_DESCRIPTION, check_draft_len_schedule, check_tree_fields
 from .modes import SpeculativeDecodingMode
 
 if TYPE_CHECKING:
@@ -91,37 +92,13 @@ class SamplingParams(_Frozen):
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-_SCHEDULE_DESCRIPTION = (
-    "drafts per step by batch size (TensorRT-LLM's draft_len_schedule): {1: 3, 32: 2, 128: 0} drafts 3 tokens "
-    "for batches of 1-31 requests, 2 for 32-127 and none from 128 on (the target then verifies no drafts; the "
-    "draft network still reads the step so its cache stays whole). Must have the key 1; lengths lie in "
-    "0..max_draft_len. None: max_draft_len at every batch size. scripts/benchmark.py --draft-len-sweep measures "
-    "one for a GPU and a model shape. With a draft tree (N = max_total_draft_tokens) an entry of N drafts the "
-    "tree and a smaller one a chain, e.g. {1: N, 8: 3, 64: 0}")
-
-
-def check_draft_len_schedule(schedule: dict[int, int] | None, max_draft_len: int, tree_size: int | None = None
-                             ) -> None:
-    """``tree_size``: a draft tree's N, where an entry of N drafts the tree and a smaller one a chain (at most
-    max_draft_len, the tree's depth, and below N)."""
-    if schedule is None:
-        return
-    if 1 not in schedule:
-        raise ValueError(f"draft_len_schedule must give batch size 1 a draft length, got {schedule}")
-    chain_max = max_draft_len if tree_size is None else min(max_draft_len, tree_size - 1)
-    bad = {b: k for b, k in schedule.items() if b < 1 or not (0 <= k <= chain_max or k == tree_size)}
-    if bad:
-        lengths = f"0..{chain_max}" if tree_size is None else f"{tree_size} (the tree) or 0..{chain_max} (a chain)"
-        raise ValueError(f"draft_len_schedule: batch sizes must be >= 1 and draft lengths {lengths}; got {bad}")
-
-
 class Eagle3Config(_Frozen):
     """EAGLE-3 one-model speculative decoding: a draft head fed three target hidden states."""
 
     decoding_type: Literal["eagle3"] = "eagle3"
     speculative_model: str = Field(description="directory of the EAGLE-3 head (config.json + safetensors)")
     max_draft_len: int = Field(3, ge=1, le=16, description="K: drafts proposed per step")
-    draft_len_schedule: dict[int, int] | None = Field(None, description=_SCHEDULE_DESCRIPTION)
+    draft_len_schedule: dict[int, int] | None = Field(None, description=SCHEDULE_DESCRIPTION)
     eagle3_one_model: bool = Field(True, description="draft inside the target forward (the only mode run here)")
     eagle3_layers_to_capture: tuple[int, ...] | None = Field(
         None, description="0-based target decoder layers whose OUTPUT feeds the head (TensorRT-LLM convention: "
@@ -153,33 +130,8 @@ class Eagle3Config(_Frozen):
         return self
 
     def _check_tree(self) -> None:
-        """The tree fields agree with each other and with max_draft_len (TensorRT-LLM's rules)."""
-        total = self.max_total_draft_tokens
-        if self.eagle_choices is not None and self.use_dynamic_tree:
-            raise ValueError("eagle_choices (a static tree) and use_dynamic_tree exclude each other")
-        if self.eagle_choices is not None:
-            tree = self.draft_tree
-            if tree.max_depth != self.max_draft_len:
-                raise ValueError(f"eagle_choices are {tree.max_depth} deep; max_draft_len must equal that, got "
-                                 f"{self.max_draft_len}")
-            if total is not None and total != tree.num_nodes:
-                raise ValueError(f"eagle_choices have {tree.num_nodes} nodes; max_total_draft_tokens must equal "
-                                 f"that (or be left out), got {total}")
-        if self.use_dynamic_tree:
-            if self.dynamic_tree_max_topK is None or total is None:
-                raise ValueError("use_dynamic_tree needs dynamic_tree_max_topK and max_total_draft_tokens")
-            if total < self.max_draft_len:
-                raise ValueError(f"max_total_draft_tokens ({total}) must be at least max_draft_len "
-                                 f"({self.max_draft_len}): the tree holds a path of that depth")
-            if (self.max_draft_len - 1) * self.dynamic_tree_max_topK > total:
-                raise ValueError(f"a dynamic tree drafts with (max_draft_len - 1) * dynamic_tree_max_topK = "
-                                 f"{(self.max_draft_len - 1) * self.dynamic_tree_max_topK} frontier tokens, which "
-                                 f"must fit the max_total_draft_tokens = {total} cache rows a step reserves")
-        elif self.dynamic_tree_max_topK is not None:
-            raise ValueError("dynamic_tree_max_topK applies to use_dynamic_tree=True only")
-        if self.eagle_choices is None and not self.use_dynamic_tree and total not in (None, self.max_draft_len):
-            raise ValueError(f"a chain drafts max_draft_len tokens: max_total_draft_tokens must be "
-                             f"{self.max_draft_len} or left out without eagle_choices / use_dynamic_tree, got {total}")
+        check_tree_fields(self.max_draft_len, self.max_total_draft_tokens, self.draft_tree, self.use_dynamic_tree,
+                          self.dynamic_tree_max_topK)
 
     @property
     def draft_tree(self) -> DraftTree | None:
@@ -213,7 +165,7 @@ class MTPConfig(_Frozen):
     num_nextn_predict_layers: int = Field(1, ge=1, le=16, description="MTP modules to load from the checkpoint")
     max_draft_len: int | None = Field(None, ge=1, le=16, description="K; default 3 for MTP-Eagle (as EAGLE-3), "
                                       "num_nextn_predict_layers for vanilla MTP")
-    draft_len_schedule: dict[int, int] | None = Field(None, description=_SCHEDULE_DESCRIPTION + " (MTP-Eagle only)")
+    draft_len_schedule: dict[int, int] | None = Field(None, description=SCHEDULE_DESCRIPTION + " (MTP-Eagle only)")
     use_mtp_vanilla: bool = Field(False, description="N distinct modules applied in sequence (TRT-LLM MTP)")
     mtp_eagle_one_model: bool = Field(True, description="module 0 reused for every draft step (MTP-Eagle)")
     mtp_checkpoint: str | None = Field(None, description="read MTP weights from here instead of the target dir")

@@ -135,7 +135,7 @@ def test_shapes_chosen_from_distributions_keep_rejection_sampling_lossless(rule)
     from scipy.stats import chi2
 
     from tllm_spec.drafts.eagle3.dynamic_tree import slot_scores
-    from tllm_spec.drafts.tree import tree_rejection_sample
+    from tllm_spec.drafts.tree_verify import tree_rejection_sample
 
     vocab, trials, top_k, depth, size = 4, 60000, 2, 2, 3
     gen = torch.Generator().manual_seed(5)

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from tllm_spec.drafts.base import strict_acceptance
-from tllm_spec.drafts.tree import (
-    DraftTree,
-    compact_path_kv,
-    forced_tree_path,
-    tree_greedy_accept,
-)
+from tllm_spec.drafts.tree import DraftTree
+from tllm_spec.drafts.tree_verify import compact_path_kv, forced_tree_path, tree_greedy_accept
 
 TREES = {
     "chain3": [[0], [0, 0], [0, 0, 0]],
@@ -178,7 +174,7 @@ def sample_tree(tree: DraftTree, draft: torch.Tensor, root_token: int, trials: i
 def test_sampled_tree_verification_keeps_the_targets_distribution(name, support):
     """Markov target and draft over 4 tokens: the first three tokens a step emits (completed by sampling the
     target, as the next steps would) follow the target's own joint distribution, cell by cell within 5 sigma."""
-    from tllm_spec.drafts.tree import tree_rejection_sample
+    from tllm_spec.drafts.tree_verify import tree_rejection_sample
     vocab, trials = 4, 40000
     gen = torch.Generator().manual_seed(3)
     target = torch.softmax(2 * torch.randn(vocab, vocab, generator=gen), dim=1)  # P(next | last)
@@ -217,7 +213,7 @@ def test_a_rejection_that_leaves_no_residual_keeps_the_target_row():
     """p below q at the drawn token and nowhere above it (p equals q to float rounding, exaggerated here so that
     rejections are frequent): the residual has no mass, and the emitted token is still drawn from p, never the
     index 0 of an all-zero row."""
-    from tllm_spec.drafts.tree import tree_rejection_sample
+    from tllm_spec.drafts.tree_verify import tree_rejection_sample
     tree = DraftTree.from_choices([[0]])
     q = torch.tensor([0.0, 0.5, 0.5])
     p = torch.tensor([0.0, 0.25, 0.25])  # below q wherever q has mass

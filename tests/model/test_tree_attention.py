@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tllm_spec.drafts.tree import DraftTree, compact_path_kv
+from tllm_spec.drafts.tree import DraftTree
+from tllm_spec.drafts.tree_verify import compact_path_kv
 from tllm_spec.model.attention import AttentionMetadata
 from tllm_spec.spec_model import SpecModel
 

@@ -6,7 +6,7 @@ import bisect
 import math
 from collections.abc import Mapping
 
-from ..config import check_draft_len_schedule
+from ..draft_shape import check_draft_len_schedule
 
 
 class DraftLenSchedule:

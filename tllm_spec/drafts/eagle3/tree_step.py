@@ -27,16 +27,8 @@ from ...sampling.forcing import forced_num_accepted
 from ...sampling.rejection import full_vocab_probs
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
-from ..tree import (
-    DraftTree,
-    TreeTensors,
-    compact_path_kv,
-    forced_tree_path,
-    parent_rows,
-    tree_children,
-    tree_greedy_accept,
-    tree_rejection_sample,
-)
+from ..tree import DraftTree, TreeTensors, parent_rows, tree_children
+from ..tree_verify import compact_path_kv, forced_tree_path, tree_greedy_accept, tree_rejection_sample
 
 ALL_VISIBLE = (1 << 63) - 1  # a tree mask that hides nothing (a prompt token's or a chain's)
 _SALT_CHILDREN = 0xC41D  # the Gumbel noise of a sampled request's children
