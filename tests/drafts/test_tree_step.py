@@ -121,10 +121,3 @@ def test_a_tree_too_big_for_the_mask_is_refused_at_load():
     with pytest.raises((ValueError, ValidationError), match="does not fit"):
         SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=1,
                                                        eagle_choices=[[i] for i in range(63)]))
-
-
-def test_guided_decoding_with_a_tree_is_refused_per_request():
-    model = tree_model()
-    with pytest.warns(UserWarning, match="draft tree"):
-        out = model.generate(["{"], SamplingParams(max_new_tokens=4, guided_decoding={"regex": "[a-z]+"}))[0]
-    assert out.finish_reason == "rejected" and "draft tree" in out.error

@@ -43,6 +43,22 @@ def test_speculative_json_equals_plain_constrained_greedy(draft_vocab_size):
         assert max(n for s in spec for n in s.stats.accepted_per_step) == 4
 
 
+def test_a_static_tree_decodes_as_plain_constrained_greedy():
+    """Each tree row masked by the grammar state after its path: the output equals non-speculative constrained
+    decoding, steps accept paths of the tree (greedy and with rejection sampling)."""
+    target, head = tiny_guided_pair()
+    tree = eagle3(head, 3).model_copy(update={"eagle_choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]],
+                                              "use_rejection_sampling": True})
+    params = guided(json_schema=SCHEMA)
+    plain, spec = generate(target, None, PROMPTS, params), generate(target, tree, PROMPTS, params)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert max(n for s in spec for n in s.stats.accepted_per_step) >= 3
+    sampled = SamplingParams(max_new_tokens=80, temperature=1.0, seed=3,
+                             guided_decoding=GuidedDecodingParams(json_schema=SCHEMA))
+    for out in generate(target, tree, PROMPTS, sampled):
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
 def test_bad_grammar_rejects_only_its_request():
     target, head = tiny_guided_pair()
     params = [guided(json_schema=SCHEMA), guided(json_schema={"type": "frobnicate"}), SamplingParams(max_new_tokens=9),
@@ -129,6 +145,28 @@ def test_target_rows_exact_and_draft_rows_follow_forced_tokens(decoder):
         ["d", "e", "f"], ["e", "f", "g"], ["f", "g", "h"], ["*", "*", "*"]]
     decoder.build([gen], [[]])  # the matchers were rolled back: still after "ab"
     assert allowed(decoder.bitmask[:1]) == ["c"]
+
+
+def test_tree_rows_follow_each_nodes_path():
+    """Tree [[0], [1], [0, 0], [1, 0]]: a node's row is the state after its path; under a refused draft, all-ones.
+    Each node's draft branch follows the tokens forced after it, one pass per depth; the matcher is rolled
+    back."""
+    from tllm_spec.drafts.tree import DraftTree
+    from tllm_spec.guided.decoder import GuidedDecoder
+    from tllm_spec.guided.grammar import GrammarCompiler
+
+    tree = DraftTree.from_choices([[0], [1], [0, 0], [1, 0]])
+    decoder = GuidedDecoder(GrammarCompiler(char_tokenizer(), 97, 96), max_batch_size=2, max_draft_len=4,
+                            device="cpu", tree=tree)
+    gen = decoder.matcher(GuidedDecodingParams(regex="ab(cd|ce)fg"))
+    gen.advance(ids("ab"))
+    decoder.build([gen], [ids("cXde")])  # nodes 1 'c', 2 'X' (refused), 3 'd' (after c), 4 'e' (after X)
+    assert allowed(decoder.bitmask[:5]) == ["c", "de", "*", "f", "*"]
+    # branch = the last accepted node: at the root the bonus is forced to c (then d or e: not forced further);
+    # after node 3 ("abcd") f is forced, then g, which completes the grammar; node 1's state forces nothing
+    assert [allowed(decoder.draft_bitmask[0, node]) for node in (0, 1, 3)] == [["de", "*"], ["*", "*"], ["g", "*"]]
+    decoder.build([gen], [ids("ccXd")])  # siblings with the same draft; node 3's X refused, node 4 after "abcd"
+    assert allowed(decoder.bitmask[:5]) == ["c", "de", "de", "*", "f"]
 
 
 def test_unforced_and_completed_branches(decoder):

@@ -103,11 +103,12 @@ class SpecWorkerBase(nn.Module, ABC):
         if self.guided_decoder is not None:
             self.guided_decoder.execute(logits)
 
-    def _add_guided_draft_batch_if_present(self, num_accepted: torch.Tensor) -> None:
-        """Hand the accepted counts [B] to the guided decoder before drafting: it picks each request's
-        draft-pass masks by them (a device gather)."""
+    def _add_guided_draft_batch_if_present(self, num_accepted: torch.Tensor, last_nodes: torch.Tensor | None = None
+                                           ) -> None:
+        """Hand the accepted counts [B] (a tree step's: and its last accepted nodes [B]) to the guided decoder
+        before drafting: it picks each request's draft-pass masks by them (a device gather)."""
         if self.guided_decoder is not None:
-            self.guided_decoder.add_draft_batch(num_accepted)
+            self.guided_decoder.add_draft_batch(num_accepted, last_nodes)
 
     def sample_target(self, logits: torch.Tensor, spec_metadata: SpecMetadata) -> torch.Tensor:
         """Target tokens for every row. logits [R, V] -> [R] int64. An all-greedy step is a plain argmax."""

@@ -147,15 +147,17 @@ class ModelRunner:
         Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
         if self.worker.guided_decoder is not None:
             return None
-        if getattr(self.worker, "tree_step", None) is not None:
-            return "guided decoding with a draft tree is not available yet (draft a chain)"
+        tree_step = getattr(self.worker, "tree_step", None)
+        if tree_step is not None and tree_step.is_dynamic:
+            return "guided decoding with a dynamic draft tree is not available yet (draft a static tree or a chain)"
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         try:
             compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                        eos if eos is not None else next(iter(self.eos_token_ids), None))
         except (ImportError, ValueError) as err:
             return str(err)
-        self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device))
+        self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device,
+                                                     tree_step.tree if tree_step is not None else None))
         if self.graph_runner is not None:
             self.graph_runner = self.new_graph_runner()
         return None

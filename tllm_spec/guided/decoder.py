@@ -23,6 +23,12 @@ What the host knows before the step:
   A wrong or missing draft mask only costs acceptance (the target rows verify every draft); the target masks
   are what keep the output in the grammar and equal to non-speculative constrained decoding. Forced runs (keys
   and punctuation of a JSON schema) are drafted exactly.
+* **A static draft tree's rows, exact; its draft passes, where forced.** Node i's row is the grammar state
+  after the drafts on its path: the matcher walks the tree depth first (rolled back on the way up); a node whose
+  draft the grammar refuses at its parent can never be accepted, and its subtree's rows allow everything. The
+  branches are the nodes (the last accepted one picks, inside the step): from node i's state the forced tokens
+  give the mask of each depth of the next tree (the whole depth shares it: along a forced run only the most
+  likely child can be allowed, and a wrong mask elsewhere only costs acceptance).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import GuidedDecodingParams
+from ..drafts.tree import DraftTree, tree_children
 from .grammar import BITS, GrammarCompiler, GrammarMatcher, allows, bitmask_width, single_token
 
 ALL = -1  # an int32 word with every bit set: every token allowed
@@ -42,13 +49,17 @@ class GuidedDecoder:
     ``draft_selected`` [max_batch, K, W] (each request's branch, picked inside the step)."""
 
     def __init__(self, compiler: GrammarCompiler, max_batch_size: int, max_draft_len: int,
-                 device: torch.device | str):
-        self.compiler, self.max_draft_len = compiler, max_draft_len
-        self.vocab_size = compiler.vocab_size
+                 device: torch.device | str, tree: DraftTree | None = None):
+        """``tree``: a static draft tree, whose N = ``max_draft_len`` drafts a step verifies as a tree (a step
+        with fewer verifies a chain a draft-length schedule chose, at most the tree's depth)."""
+        self.compiler, self.vocab_size = compiler, compiler.vocab_size
+        self.tree_children = tree_children(tree) if tree is not None else None
+        passes = tree.max_depth if tree is not None else max_draft_len
+        self.max_draft_len = passes  # draft passes masked by forced tokens (a tree's: one per depth)
         width = bitmask_width(self.vocab_size)
         rows, pin = (max_batch_size + 1) * (max_draft_len + 1), torch.device(device).type == "cuda"
         self.bitmask = torch.full((rows, width), ALL, dtype=torch.int32, device=device)
-        draft_shape = (max_batch_size + 1, max_draft_len + 1, max(max_draft_len, 1), width)
+        draft_shape = (max_batch_size + 1, max_draft_len + 1, max(passes, 1), width)  # branch: last accepted row
         self.draft_bitmask = torch.full(draft_shape, ALL, dtype=torch.int32, device=device)
         self.draft_selected = torch.full((draft_shape[0], *draft_shape[2:]), ALL, dtype=torch.int32, device=device)
         self._host = torch.full((rows, width), ALL, dtype=torch.int32, pin_memory=pin)
@@ -71,9 +82,12 @@ class GuidedDecoder:
         self._draft_host[:len(matchers)].fill_(ALL)
         row = 0
         for b, (matcher, request_drafts) in enumerate(zip(matchers, drafts)):
-            if matcher is not None:
-                self._fill_request(matcher, list(request_drafts), self._host[row:row + 1 + len(request_drafts)],
-                                   self._draft_host[b])
+            rows = self._host[row:row + 1 + len(request_drafts)]
+            if matcher is not None and self.tree_children is not None and len(request_drafts) + 1 == len(
+                    self.tree_children):
+                self._fill_tree(matcher, list(request_drafts), rows, self._draft_host[b], 0)
+            elif matcher is not None:
+                self._fill_request(matcher, list(request_drafts), rows, self._draft_host[b])
             row += 1 + len(request_drafts)
         self.bitmask[:num_rows].copy_(self._host[:num_rows], non_blocking=True)
         self.draft_bitmask[:len(matchers)].copy_(self._draft_host[:len(matchers)], non_blocking=True)
@@ -83,11 +97,13 @@ class GuidedDecoder:
         allowed = self._unpack(self.bitmask[:logits.shape[0]])
         logits.masked_fill_(~allowed, float("-inf"))
 
-    def add_draft_batch(self, num_accepted: torch.Tensor) -> None:
+    def add_draft_batch(self, num_accepted: torch.Tensor, last_nodes: torch.Tensor | None = None) -> None:
         """Pick each request's draft-pass masks by its accepted count (inside the step, before drafting).
-        num_accepted [B] int64, bonus counted."""
+        num_accepted [B] int64, bonus counted; last_nodes [B]: a tree step's last accepted node (a chain's is
+        num_accepted - 1)."""
         batch = torch.arange(num_accepted.shape[0], device=num_accepted.device)
-        self.draft_selected[:num_accepted.shape[0]].copy_(self.draft_bitmask[batch, num_accepted - 1])
+        branch = num_accepted - 1 if last_nodes is None else last_nodes
+        self.draft_selected[:num_accepted.shape[0]].copy_(self.draft_bitmask[batch, branch])
 
     def execute_draft_batch(self, logits: torch.Tensor, d2t: torch.Tensor | None = None, draft_step: int = 0
                             ) -> None:
@@ -118,6 +134,21 @@ class GuidedDecoder:
             matcher.consume(drafts[j])
             consumed += 1
         matcher.rollback(consumed)
+
+    def _fill_tree(self, matcher: GrammarMatcher, drafts: list[int], target_rows: torch.Tensor,
+                   draft_rows: torch.Tensor, node: int) -> None:
+        """Row ``node`` of a tree's target rows [N+1, W] and its draft branch (draft_rows [N+1, D, W]), then its
+        subtree's, the matcher in the state after the node's path (depth first; every consumed draft rolled
+        back)."""
+        matcher.fill(target_rows, node)
+        if matcher.is_stopped():
+            return  # complete: the request ends at this node, nothing below it is used
+        self._follow_forced(matcher, target_rows[node], draft_rows[node])
+        for child in self.tree_children[node]:
+            if allows(target_rows[node], drafts[child - 1]):  # else never accepted: its subtree stays all-ones
+                matcher.consume(drafts[child - 1])
+                self._fill_tree(matcher, drafts, target_rows, draft_rows, child)
+                matcher.rollback(1)
 
     def _follow_forced(self, matcher: GrammarMatcher, row: torch.Tensor, pass_rows: torch.Tensor) -> None:
         """One branch: from the state whose mask is ``row`` [W], follow single-token masks, writing the mask

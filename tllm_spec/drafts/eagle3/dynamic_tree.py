@@ -71,10 +71,11 @@ class DynamicTreeStep(TreeStep):
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
-              draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+              draft_probs: torch.Tensor | None = None, guided: None = None) -> torch.Tensor:
         """Grow each request's tree from its last accepted token (hidden [B, H]: the head's output there; position
         [B]: its row; slots [B]) and keep it for the slot's next step. Returns the N drafts [B, N] in node order.
-        ``draft_probs`` [slots, P, V]: sampled requests draw their children and keep each frontier's q there."""
+        ``draft_probs`` [slots, P, V]: sampled requests draw their children and keep each frontier's q there.
+        (``guided``: always None, guided decoding with a dynamic tree is refused where it is enabled.)"""
         num, k = hidden.shape[0], self.top_k
         d2t = draft_model.vocab_offsets
         outputs = hidden[:, None]  # [B, F, H]: the head's output at each frontier node

@@ -17,6 +17,8 @@ acceptance lets through. Greedy requests keep the ranked children and the greedy
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,9 @@ from ..base import with_context_rows
 from ..metadata import SpecMetadata
 from ..tree import DraftTree, TreeTensors, parent_rows, tree_children
 from ..tree_verify import compact_path_kv, forced_tree_path, tree_greedy_accept, tree_rejection_sample
+
+if TYPE_CHECKING:
+    from ...guided.decoder import GuidedDecoder
 
 ALL_VISIBLE = (1 << 63) - 1  # a tree mask that hides nothing (a prompt token's or a chain's)
 _SALT_CHILDREN = 0xC41D  # the Gumbel noise of a sampled request's children
@@ -138,13 +143,14 @@ class TreeStep:
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
-              draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+              draft_probs: torch.Tensor | None = None, guided: GuidedDecoder | None = None) -> torch.Tensor:
         """The next tree from each request's last accepted token: hidden [B, H] (the head's output there),
         position [B] (its row), slots [B]. Returns the N drafts [B, N] in node order. ``draft_probs``
         [slots, P, V] (rejection sampling, a step with sampled requests): sampled requests draw their children
-        (:meth:`_children`) and keep each node's distribution there."""
+        (:meth:`_children`) and keep each node's distribution there. ``guided``: the worker's GuidedDecoder, whose
+        draft-pass mask of depth d masks the children of the nodes at depth d."""
         tree = self.tree
-        children, ranks, parents = tree_children(tree), tree.ranks, tree.parents
+        children, ranks, parents, depths = tree_children(tree), tree.ranks, tree.parents, tree.depths
         num = hidden.shape[0]
         drafts = torch.zeros(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
         outputs = {0: hidden}
@@ -158,6 +164,8 @@ class TreeStep:
             if not kids:
                 return
             logits = draft_model.compute_logits(outputs[node])
+            if guided is not None:
+                guided.execute_draft_batch(logits, draft_model.vocab_offsets, depths[node])
             width = max(ranks[k] for k in kids) + 1
             top = logits.topk(width, dim=-1).indices
             if sampling is not None:

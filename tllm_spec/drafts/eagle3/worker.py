@@ -88,7 +88,8 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         else:
             new_tokens, num_accepted = self.accept_tokens(target_tokens, draft_tokens, num_contexts, spec_metadata,
                                                           target_logits, gen_slots)
-        self._add_guided_draft_batch_if_present(num_accepted)
+        self._add_guided_draft_batch_if_present(
+            num_accepted, None if paths is None else paths.gather(1, (num_accepted - 1)[:, None])[:, 0])
         if paths is None:
             row_tokens = self.row_tokens(new_tokens, spec_metadata)
         else:  # each row pairs with the token after it: the emitted one on the accepted path, else the target's
@@ -143,7 +144,8 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         hidden, slots, next_k = hidden[last], attn.token_slots[last], spec_metadata.next_draft_len
         if self.tree_step is not None and next_k == self.tree_step.num_nodes:
             return self.tree_step.draft(self.draft_model, hidden, position, slots, attn, spec_metadata,
-                                        self.draft_probs if self.samples_tree(spec_metadata) else None)
+                                        self.draft_probs if self.samples_tree(spec_metadata) else None,
+                                        self.guided_decoder)
         if next_k == 0:
             return last.new_zeros(last.shape[0], 0)
         drafts = [self._propose(hidden, 0, slots, spec_metadata)]
