@@ -87,3 +87,5 @@ def test_metrics_count_a_finished_request(client, server_url, offline):
     steps = delta["tllm_spec_accepted_tokens_per_step_count"]
     assert 1 <= steps < 16 and delta["tllm_spec_accepted_tokens_per_step_sum"] >= steps  # drafts were accepted
     assert after["tllm_spec_requests_running"] == 0
+    assert delta["tllm_spec_compiled_graphs"] == 0 and after["tllm_spec_cuda_graphs"] == 0  # no compile on the
+    # request's path (a CPU server compiles and captures nothing at all)

@@ -40,3 +40,5 @@ def test_a_tree_server_streams_what_offline_generate_gives(tree_server):
     metrics = scrape(tree_server)
     steps, accepted = (metrics[f"tllm_spec_accepted_tokens_per_step_{s}"] for s in ("count", "sum"))
     assert steps > 0 and accepted / steps > 2  # the tree's paths are accepted, not just its root
+    buckets = [name for name in metrics if name.startswith("tllm_spec_accepted_tokens_per_step_bucket")]
+    assert len(buckets) == TREE["max_draft_len"] + 2  # 1..depth + 1 tokens a step, and +Inf

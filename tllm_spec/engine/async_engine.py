@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from ..config import SamplingParams
+from .cuda_graphs import num_compiled_graphs
 from .loop import Announcement, EngineLoop
 from .request import StreamOutput
 from .streams import as_params, check_prompt
@@ -29,6 +30,8 @@ class EngineState:
     num_free_kv_pages: int
     num_kv_pages: int
     max_batch_size: int
+    num_cuda_graphs: int = 0  # captured CUDA graphs
+    num_compiled_graphs: int = 0  # graphs torch.compile has compiled in this process
 
 
 class AsyncEngine:
@@ -91,8 +94,10 @@ class AsyncEngine:
 
     def state(self) -> EngineState:
         engine = self.loop.engine
+        graphs = engine.runner.graph_runner
         return EngineState(len(engine.running), len(engine.waiting), engine.kv.num_free_pages,
-                           engine.runner.num_kv_pages, engine.runner.max_batch_size)
+                           engine.runner.num_kv_pages, engine.runner.max_batch_size,
+                           len(graphs.graphs) if graphs is not None else 0, num_compiled_graphs())
 
 
 _ANNOUNCEMENT: contextvars.ContextVar[Announcement | None] = contextvars.ContextVar("tllm_spec_announcement",

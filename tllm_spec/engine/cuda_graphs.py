@@ -34,6 +34,14 @@ _DUMMY = SamplingParams()  # greedy
 GraphKey = tuple[int, int, int, bool, bool, int]  # bucket, draft_len, next_draft_len, *sampling_variant
 
 
+def num_compiled_graphs() -> int:
+    """Graphs torch.compile (Dynamo) has compiled in this process so far: after warm-up, a rise means a compile
+    on a request's path."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def variant_example(variant: tuple[bool, bool, int]) -> SamplingParams:
     """A request whose batch alone has the sampling ``variant`` (:func:`sampling_variant`)."""
     all_greedy, has_request_seeds, logprobs_width = variant

@@ -62,7 +62,7 @@ class Server:
         self.engine = model.async_engine
         self.model_name = model_name
         self.max_seq_len = model.engine.max_seq_len
-        self.metrics = ServerMetrics(self.engine, model.max_draft_len)
+        self.metrics = ServerMetrics(self.engine, model.runner.max_accepted_drafts)
         self.admission = Admission(max_queue)
         self.template = ChatTemplate(model.tokenizer, model.encode)
         self.token_texts = TokenTexts(self.engine.decode_each)  # on the event loop's thread only

@@ -1,9 +1,11 @@
 """Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one process).
 
 Gauges read from ``AsyncEngine.state()`` at scrape time: ``tllm_spec_requests_running``,
-``tllm_spec_requests_waiting``, ``tllm_spec_kv_free_pages`` (and ``tllm_spec_kv_pages``). Histograms:
+``tllm_spec_requests_waiting``, ``tllm_spec_kv_free_pages`` (and ``tllm_spec_kv_pages``), ``tllm_spec_cuda_graphs``
+and ``tllm_spec_compiled_graphs`` (captures and torch.compile graphs so far: flat after start-up). Histograms:
 ``tllm_spec_time_to_first_token_seconds``, ``tllm_spec_time_per_output_token_seconds`` (first to last token),
-``tllm_spec_accepted_tokens_per_step`` (tokens a generation step accepted, bonus included: 1..K+1). Counters:
+``tllm_spec_accepted_tokens_per_step`` (tokens a generation step accepted, bonus included: 1..K+1, a tree's
+1..depth+1). Counters:
 ``tllm_spec_requests_total{finish_reason}`` (stop, length, abort, error, rejected),
 ``tllm_spec_prompt_tokens_total``, ``tllm_spec_generation_tokens_total``."""
 from __future__ import annotations
@@ -40,6 +42,9 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tllm_spec_requests_waiting", "requests queued for a batch slot", state.num_waiting)
         yield GaugeMetricFamily("tllm_spec_kv_free_pages", "free KV-cache pages", state.num_free_kv_pages)
         yield GaugeMetricFamily("tllm_spec_kv_pages", "KV-cache pages in the pool", state.num_kv_pages)
+        yield GaugeMetricFamily("tllm_spec_cuda_graphs", "captured CUDA graphs", state.num_cuda_graphs)
+        yield GaugeMetricFamily("tllm_spec_compiled_graphs", "graphs torch.compile compiled in this process (a rise "
+                                "after start-up: a compile on a request's path)", state.num_compiled_graphs)
 
 
 class ServerMetrics:

@@ -29,13 +29,6 @@ import torch
 from ..caches import CACHE_DIR_VAR, CACHE_VARS
 
 
-def num_compiled_graphs() -> int:
-    """Graphs torch.compile (Dynamo) has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def num_triton_variants(package: str = "tllm_spec") -> int | None:
     """Compiled variants of ``package``'s Triton kernels held in this process (a new specialisation on a request's
     path shows up here: a compile, or a load from the on-disk cache). None where Triton is missing or its
@@ -63,7 +56,7 @@ def mixed_params(size: int, guided: bool) -> list:
 def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     """Build, warm up, serve mixed batches at every bucket; write the timings and counts to ``out``."""
     imported = time.time()
-    from ..engine.cuda_graphs import batch_buckets, variant_name
+    from ..engine.cuda_graphs import batch_buckets, num_compiled_graphs, variant_name
     from .random_models import random_spec_model
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
