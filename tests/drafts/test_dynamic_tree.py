@@ -168,9 +168,3 @@ def test_shapes_chosen_from_distributions_keep_rejection_sampling_lossless(rule)
     p_value = chi2.sf(float(((counts - expected) ** 2 / expected).sum()), vocab * vocab - 1)
     assert (p_value > 1e-3) if rule == "slot" else (p_value < 1e-6)
     assert num.double().mean() > 2.0  # drafts are accepted: the test exercises acceptance, not just fallback
-
-
-def test_guided_decoding_with_a_dynamic_tree_is_refused_per_request():
-    with pytest.warns(UserWarning, match="dynamic draft tree"):
-        out = dynamic().generate(["{"], SamplingParams(max_new_tokens=4, guided_decoding={"regex": "[a-z]+"}))[0]
-    assert out.finish_reason == "rejected" and "dynamic draft tree" in out.error

@@ -43,12 +43,14 @@ def test_speculative_json_equals_plain_constrained_greedy(draft_vocab_size):
         assert max(n for s in spec for n in s.stats.accepted_per_step) == 4
 
 
-def test_a_static_tree_decodes_as_plain_constrained_greedy():
-    """Each tree row masked by the grammar state after its path: the output equals non-speculative constrained
-    decoding, steps accept paths of the tree (greedy and with rejection sampling)."""
+@pytest.mark.parametrize("shape", [{"eagle_choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]},
+                                   {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "max_total_draft_tokens": 6}])
+def test_a_tree_decodes_as_plain_constrained_greedy(shape):
+    """Each tree row masked by the grammar state after its path (a dynamic tree's shape read between steps):
+    the output equals non-speculative constrained decoding, and steps accept paths of the tree, the forced
+    tokens drafted through the draft-pass masks (greedy and with rejection sampling)."""
     target, head = tiny_guided_pair()
-    tree = eagle3(head, 3).model_copy(update={"eagle_choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]],
-                                              "use_rejection_sampling": True})
+    tree = eagle3(head, 3).model_copy(update={**shape, "use_rejection_sampling": True})
     params = guided(json_schema=SCHEMA)
     plain, spec = generate(target, None, PROMPTS, params), generate(target, tree, PROMPTS, params)
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]

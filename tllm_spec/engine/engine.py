@@ -256,8 +256,10 @@ class Engine:
         ids, positions, slots = plan.flat_inputs()
         drafts = [t for r in generating for t in r.next_input[1:]]
         if self.runner.guided_decoder is not None:  # grammar masks for this step, filled before it runs
+            trees = self.runner.dynamic_tree_parents([r.slot for r in generating], draft_len)
             self.runner.guided_decoder.build([r.matcher for r in batch],
-                                             [[]] * len(chunks) + [r.next_input[1:] for r in generating])
+                                             [[]] * len(chunks) + [r.next_input[1:] for r in generating],
+                                             None if trees is None else [None] * len(chunks) + trees)
         lookahead = self.runner.context_lookahead
         packed = self.runner.step(ids, positions, slots, drafts, [r.params for r in batch],
                                   tuple(c.length for c in chunks), draft_len, next_draft_len,

@@ -142,22 +142,30 @@ class ModelRunner:
     def guided_decoder(self) -> GuidedDecoder | None:
         return self.worker.guided_decoder
 
+    def dynamic_tree_parents(self, slots: list[int], draft_len: int) -> list[list[int]] | None:
+        """The dynamic trees the requests in ``slots`` verify next (their parents, read from the device between
+        steps, for the grammar masks), or None: no dynamic tree, or a step that verifies a chain."""
+        tree_step = getattr(self.worker, "tree_step", None)
+        if tree_step is None or not tree_step.is_dynamic or draft_len != tree_step.num_nodes or not slots:
+            return None
+        return tree_step.parents[torch.tensor(slots, device=self.device)].tolist()
+
     def enable_guided_decoding(self) -> str | None:
         """Give the worker a guided decoder (once; captured graphs are dropped so that they mask the logits).
         Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
         if self.worker.guided_decoder is not None:
             return None
         tree_step = getattr(self.worker, "tree_step", None)
-        if tree_step is not None and tree_step.is_dynamic:
-            return "guided decoding with a dynamic draft tree is not available yet (draft a static tree or a chain)"
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         try:
             compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                        eos if eos is not None else next(iter(self.eos_token_ids), None))
         except (ImportError, ValueError) as err:
             return str(err)
+        static = tree_step if tree_step is not None and not tree_step.is_dynamic else None
         self.worker.set_guided_decoder(GuidedDecoder(compiler, self.max_batch_size, self.max_draft_len, self.device,
-                                                     tree_step.tree if tree_step is not None else None))
+                                                     static.tree if static is not None else None,
+                                                     draft_passes=self.max_accepted_drafts))
         if self.graph_runner is not None:
             self.graph_runner = self.new_graph_runner()
         return None

@@ -23,12 +23,13 @@ What the host knows before the step:
   A wrong or missing draft mask only costs acceptance (the target rows verify every draft); the target masks
   are what keep the output in the grammar and equal to non-speculative constrained decoding. Forced runs (keys
   and punctuation of a JSON schema) are drafted exactly.
-* **A static draft tree's rows, exact; its draft passes, where forced.** Node i's row is the grammar state
+* **A draft tree's rows, exact; its draft passes, where forced.** Node i's row is the grammar state
   after the drafts on its path: the matcher walks the tree depth first (rolled back on the way up); a node whose
   draft the grammar refuses at its parent can never be accepted, and its subtree's rows allow everything. The
   branches are the nodes (the last accepted one picks, inside the step): from node i's state the forced tokens
   give the mask of each depth of the next tree (the whole depth shares it: along a forced run only the most
-  likely child can be allowed, and a wrong mask elsewhere only costs acceptance).
+  likely child can be allowed, and a wrong mask elsewhere only costs acceptance). A dynamic tree's shape lives
+  on the device: the engine reads its parents after the step that grew it, before the one that verifies it.
 """
 from __future__ import annotations
 
@@ -49,12 +50,14 @@ class GuidedDecoder:
     ``draft_selected`` [max_batch, K, W] (each request's branch, picked inside the step)."""
 
     def __init__(self, compiler: GrammarCompiler, max_batch_size: int, max_draft_len: int,
-                 device: torch.device | str, tree: DraftTree | None = None):
+                 device: torch.device | str, tree: DraftTree | None = None, draft_passes: int | None = None):
         """``tree``: a static draft tree, whose N = ``max_draft_len`` drafts a step verifies as a tree (a step
-        with fewer verifies a chain a draft-length schedule chose, at most the tree's depth)."""
+        with fewer verifies a chain a draft-length schedule chose, at most the tree's depth); a dynamic tree's
+        shape comes with each step (:meth:`build`). ``draft_passes``: the draft passes a step may mask (a tree's
+        depth; default max_draft_len)."""
         self.compiler, self.vocab_size = compiler, compiler.vocab_size
         self.tree_children = tree_children(tree) if tree is not None else None
-        passes = tree.max_depth if tree is not None else max_draft_len
+        passes = tree.max_depth if tree is not None else draft_passes or max_draft_len
         self.max_draft_len = passes  # draft passes masked by forced tokens (a tree's: one per depth)
         width = bitmask_width(self.vocab_size)
         rows, pin = (max_batch_size + 1) * (max_draft_len + 1), torch.device(device).type == "cuda"
@@ -70,12 +73,14 @@ class GuidedDecoder:
         """A fresh grammar matcher for one request (ValueError if the grammar is invalid)."""
         return self.compiler.matcher(params)
 
-    def build(self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Sequence[int]]) -> None:
+    def build(self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Sequence[int]],
+              parents: Sequence[Sequence[int] | None] | None = None) -> None:
         """Fill this step's masks on the host and copy them to the device (before the step).
 
         matchers: per request in batch order (context requests first), None when unguided; drafts: the drafts
-        each generation request verifies (empty for context requests). Context requests own one target row,
-        generation requests K + 1.
+        each generation request verifies (empty for context requests); parents: per request, the dynamic tree
+        its drafts form (node i + 1's parent at i + 1, the root first), None for a chain (a static tree's
+        drafts are known by their number). Context requests own one target row, generation requests K + 1.
         """
         num_rows = sum(1 + len(d) for d in drafts)
         self._host[:num_rows].fill_(ALL)
@@ -83,9 +88,9 @@ class GuidedDecoder:
         row = 0
         for b, (matcher, request_drafts) in enumerate(zip(matchers, drafts)):
             rows = self._host[row:row + 1 + len(request_drafts)]
-            if matcher is not None and self.tree_children is not None and len(request_drafts) + 1 == len(
-                    self.tree_children):
-                self._fill_tree(matcher, list(request_drafts), rows, self._draft_host[b], 0)
+            children = self._children_of(request_drafts, parents[b] if parents is not None else None)
+            if matcher is not None and children is not None:
+                self._fill_tree(matcher, list(request_drafts), rows, self._draft_host[b], children, 0)
             elif matcher is not None:
                 self._fill_request(matcher, list(request_drafts), rows, self._draft_host[b])
             row += 1 + len(request_drafts)
@@ -135,8 +140,20 @@ class GuidedDecoder:
             consumed += 1
         matcher.rollback(consumed)
 
+    def _children_of(self, drafts: Sequence[int], parents: Sequence[int] | None) -> list[list[int]] | None:
+        """Each node's children when ``drafts`` form a tree (a dynamic one's ``parents``, or the static tree's
+        N drafts), else None (a chain)."""
+        if parents is not None:
+            children: list[list[int]] = [[] for _ in parents]
+            for node, parent in enumerate(parents[1:], start=1):
+                children[parent].append(node)
+            return children
+        if self.tree_children is not None and len(drafts) + 1 == len(self.tree_children):
+            return self.tree_children
+        return None
+
     def _fill_tree(self, matcher: GrammarMatcher, drafts: list[int], target_rows: torch.Tensor,
-                   draft_rows: torch.Tensor, node: int) -> None:
+                   draft_rows: torch.Tensor, children: list[list[int]], node: int) -> None:
         """Row ``node`` of a tree's target rows [N+1, W] and its draft branch (draft_rows [N+1, D, W]), then its
         subtree's, the matcher in the state after the node's path (depth first; every consumed draft rolled
         back)."""
@@ -144,10 +161,10 @@ class GuidedDecoder:
         if matcher.is_stopped():
             return  # complete: the request ends at this node, nothing below it is used
         self._follow_forced(matcher, target_rows[node], draft_rows[node])
-        for child in self.tree_children[node]:
+        for child in children[node]:
             if allows(target_rows[node], drafts[child - 1]):  # else never accepted: its subtree stays all-ones
                 matcher.consume(drafts[child - 1])
-                self._fill_tree(matcher, drafts, target_rows, draft_rows, child)
+                self._fill_tree(matcher, drafts, target_rows, draft_rows, children, child)
                 matcher.rollback(1)
 
     def _follow_forced(self, matcher: GrammarMatcher, row: torch.Tensor, pass_rows: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ stays on the device until that slot's next step verifies it.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...kernels.paged_attention import TREE_WINDOW
@@ -33,6 +35,9 @@ from ...sampling.rejection import full_vocab_probs
 from ..metadata import SpecMetadata
 from ..tree import TreeTensors, relative_tree_bits, tree_tensors
 from .tree_step import _SALT_CHILDREN, TreeStep
+
+if TYPE_CHECKING:
+    from ...guided.decoder import GuidedDecoder
 
 
 class DynamicTreeStep(TreeStep):
@@ -71,11 +76,12 @@ class DynamicTreeStep(TreeStep):
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
-              draft_probs: torch.Tensor | None = None, guided: None = None) -> torch.Tensor:
+              draft_probs: torch.Tensor | None = None, guided: GuidedDecoder | None = None) -> torch.Tensor:
         """Grow each request's tree from its last accepted token (hidden [B, H]: the head's output there; position
         [B]: its row; slots [B]) and keep it for the slot's next step. Returns the N drafts [B, N] in node order.
         ``draft_probs`` [slots, P, V]: sampled requests draw their children and keep each frontier's q there.
-        (``guided``: always None, guided decoding with a dynamic tree is refused where it is enabled.)"""
+        ``guided``: the worker's GuidedDecoder, whose draft-pass mask of depth d masks the children proposed at
+        depth d (a refused child scores -inf: the grammar shapes the tree)."""
         num, k = hidden.shape[0], self.top_k
         d2t = draft_model.vocab_offsets
         outputs = hidden[:, None]  # [B, F, H]: the head's output at each frontier node
@@ -100,6 +106,9 @@ class DynamicTreeStep(TreeStep):
                 inputs = outputs.gather(1, parent_slot[..., None].expand(-1, -1, outputs.shape[-1]))
                 outputs = draft_model(ids.flatten(), inputs.flatten(0, 1), meta).view(num, k, -1)
             logits = draft_model.compute_logits(outputs)  # [B, F, V_draft]
+            if guided is not None:
+                for f in range(logits.shape[1]):
+                    guided.execute_draft_batch(logits[:, f], d2t, depth - 1)
             children, scores = self._children(logits, frontier_rows, d2t, spec_metadata, draft_probs, slots)
             tokens.append(children if d2t is None else children + d2t[children])
             return scores
