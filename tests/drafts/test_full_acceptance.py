@@ -64,3 +64,32 @@ def test_fractional_forcing_draws_anew_every_step_of_a_greedy_request(monkeypatc
     per_step = model.generate([PROMPTS[0]], SamplingParams(max_new_tokens=120))[0].stats.accepted_per_step
     assert set(per_step) == {2, 3}
     assert 0.25 < per_step.count(3) / len(per_step) < 0.75  # ~48 Bernoulli(0.5) draws
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_tree_whose_second_branch_is_right_accepts_it_every_step(monkeypatch, arch):
+    """A static tree whose most likely branch is always wrong and whose second branch ([1], [1, 0], [1, 0, 0]) holds
+    the target's own continuation: every step accepts 3 drafts along rows 2, 4, 6 of the tree, not its first
+    rows, so the tree masks, the per-depth RoPE positions and the moving of the path's K/V decide every token;
+    the output equals HF's greedy decode (Llama, and Qwen3 with its q/k norms)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    target, head = tiny_pair(arch)
+    choices = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0]]  # nodes 1..6 in this order
+    refs = [hf_greedy(target, p, n + 8) for p, n in zip(PROMPTS, MAX_NEW)]
+    model = SpecModel.from_pretrained(target, eagle3(head, 3).model_copy(update={"eagle_choices": choices}),
+                                      max_batch_size=3)
+    sequences = {i: p + r for i, (p, r) in enumerate(zip(PROMPTS, refs))}
+    vocab = model.target.vocab_size
+
+    def oracle(draft_model, hidden, position, slots, attn, spec_metadata=None, draft_probs=None, guided=None):
+        rows = []
+        for slot, pos in zip(slots.tolist(), position.tolist()):
+            right = sequences[slot][pos + 2:pos + 5]  # the root is token pos + 1; depths 1..3 follow it
+            wrong = [(t + 1) % vocab for t in right]
+            rows.append([wrong[0], right[0], wrong[1], right[1], wrong[2], right[2]])
+        return torch.tensor(rows, dtype=torch.int64)
+    monkeypatch.setattr(model.worker.tree_step, "draft", oracle)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    for out, ref, n in zip(outs, refs, MAX_NEW):
+        assert out.token_ids == ref[:n]
+        assert out.stats.accepted_per_step[:-1] == [4] * (out.stats.num_steps - 1)  # the last: cut by max tokens
