@@ -116,6 +116,8 @@ def test_eagle3_tree_fields_follow_tensorrt_llm():
     (dict(max_draft_len=4, use_dynamic_tree=True, dynamic_tree_max_topK=4, max_total_draft_tokens=3), "at least"),
     (dict(max_draft_len=6, use_dynamic_tree=True, dynamic_tree_max_topK=8, max_total_draft_tokens=32),
      "40 frontier tokens"),
+    (dict(max_draft_len=2, use_dynamic_tree=True, dynamic_tree_max_topK=1, max_total_draft_tokens=5),
+     "exceeds the 2 candidates"),
     (dict(max_draft_len=3, dynamic_tree_max_topK=4), "use_dynamic_tree=True only"),
     (dict(max_draft_len=3, max_total_draft_tokens=8), "a chain drafts"),
 ])

@@ -51,6 +51,10 @@ def check_tree_fields(max_draft_len: int, total: int | None, static_tree: DraftT
         if total < max_draft_len:
             raise ValueError(f"max_total_draft_tokens ({total}) must be at least max_draft_len ({max_draft_len}): "
                              f"the tree holds a path of that depth")
+        candidates = top_k + (max_draft_len - 1) * top_k ** 2  # what growing proposes: k, then k * k a depth
+        if total > candidates:
+            raise ValueError(f"max_total_draft_tokens ({total}) exceeds the {candidates} candidates a dynamic tree "
+                             f"of depth {max_draft_len} and dynamic_tree_max_topK {top_k} grows")
         if (max_draft_len - 1) * top_k > total:
             raise ValueError(f"a dynamic tree drafts with (max_draft_len - 1) * dynamic_tree_max_topK = "
                              f"{(max_draft_len - 1) * top_k} frontier tokens, which must fit the "

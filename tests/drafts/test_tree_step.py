@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from tllm_spec import Eagle3Config, SamplingParams, SpecModel
@@ -121,3 +122,39 @@ def test_a_tree_too_big_for_the_mask_is_refused_at_load():
     with pytest.raises((ValueError, ValidationError), match="does not fit"):
         SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=1,
                                                        eagle_choices=[[i] for i in range(63)]))
+
+
+def test_a_sampled_tree_with_a_rank_gap_draws_consecutive_children():
+    """eagle_choices [[0], [2]]: a sampled request's two children are its first two draws without replacement
+    (the rank only orders a greedy request's children), so recursive rejection sampling emits the target's
+    distribution; keeping draws 1 and 3 instead biases it (third token 0.42 where the target has 0.30)."""
+    from scipy.stats import chi2
+
+    from tllm_spec.drafts.eagle3.tree_step import TreeStep
+    from tllm_spec.drafts.metadata import SpecMetadata
+    from tllm_spec.drafts.tree import DraftTree
+    from tllm_spec.drafts.tree_verify import tree_rejection_sample
+
+    trials, p, q = 30000, torch.tensor([0.05, 0.15, 0.3, 0.5]), torch.tensor([0.6, 0.25, 0.1, 0.05])
+    step = TreeStep(DraftTree.from_choices([[0], [2]]))
+
+    class Head:  # the draft's distribution is q at the root, whatever the hidden state
+        vocab_offsets = None
+
+        def compute_logits(self, hidden):
+            return q.log().expand(hidden.shape[0], -1).clone()
+
+    metadata = SpecMetadata(trials, step.num_nodes, 4, "cpu")
+    metadata.prepare([SamplingParams(temperature=1.0)] * trials, (1,) * trials, step.num_nodes, step.num_nodes)
+    draft_probs = torch.zeros(trials, step.num_parents, 4)
+    slots = torch.arange(trials)
+    drafts = step.draft(Head(), torch.zeros(trials, 1), torch.zeros(trials, dtype=torch.int64), slots, None,
+                        metadata, draft_probs)
+    assert (drafts[:, 0] != drafts[:, 1]).all()  # without replacement
+    num, tokens, _ = tree_rejection_sample(step.tensors, p.expand(trials, 3, 4), draft_probs, drafts,
+                                           torch.arange(trials), torch.zeros(trials, dtype=torch.int64),
+                                           step.prob_rows)
+    counts = torch.bincount(tokens[:, 0], minlength=4).double()
+    expected = p.double() / p.double().sum() * counts.sum()
+    assert chi2.sf(float(((counts - expected) ** 2 / expected).sum()), 3) > 1e-3
+    assert (num == 1).any() and (num == 2).any()

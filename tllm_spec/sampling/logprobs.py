@@ -48,7 +48,7 @@ def token_logprobs(logits: torch.Tensor, new_tokens: torch.Tensor, num_contexts:
     logits = logits.float()
     normalizer = torch.logsumexp(logits, -1, keepdim=True)  # [R, 1]: log_softmax = logits - normalizer
     top_values, top_ids = logits.topk(min(width, logits.shape[-1]), dim=-1)  # [R, W] sorted
-    chosen = logits[rows].gather(-1, new_tokens[..., None])[..., 0] - normalizer[rows][..., 0]  # [B, k+1]
+    chosen = logits[rows, new_tokens] - normalizer[rows, 0]  # [B, k+1] (no copy of whole rows)
     kept = torch.ones_like(new_tokens, dtype=torch.bool)
     kept[:num_contexts, 1:] = False  # a context request emits one token
     return {"token_logprobs": torch.where(kept, chosen, 0.0),

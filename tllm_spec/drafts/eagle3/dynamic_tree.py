@@ -42,13 +42,16 @@ if TYPE_CHECKING:
 
 class DynamicTreeStep(TreeStep):
     """A dynamic tree of ``num_nodes`` drafts, ``max_depth`` deep, ``top_k`` children per expanded node
-    (``Eagle3Config`` checks that ``(max_depth - 1) * top_k <= num_nodes``)."""
+    (``Eagle3Config`` checks that ``(max_depth - 1) * top_k <= num_nodes <= top_k + (max_depth - 1) * top_k**2``,
+    the candidates growing proposes)."""
 
     is_dynamic = True
 
     def __init__(self, max_depth: int, top_k: int, num_nodes: int, device: torch.device | str = "cpu"):
         if num_nodes + 1 > TREE_WINDOW:
             raise ValueError(f"a tree of {num_nodes} drafts does not fit the {TREE_WINDOW}-row tree mask")
+        if num_nodes > top_k + (max_depth - 1) * top_k ** 2:
+            raise ValueError(f"a dynamic tree grows fewer than {num_nodes} candidates")
         self.depth, self.top_k, self.size = max_depth, top_k, num_nodes
         self.num_parents = 1 + (max_depth - 1) * top_k  # rows of kept distributions: the root and every frontier
         self.allocate(1, device)

@@ -154,10 +154,10 @@ class TreeStep:
         num = hidden.shape[0]
         drafts = torch.zeros(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
         outputs = {0: hidden}
-        sampling = None
+        sampling = greedy_rows = None
         if draft_probs is not None:
-            sampling = (*(x[spec_metadata.first_rows()] for x in spec_metadata.rows()), spec_metadata, draft_probs,
-                        slots)
+            temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
+            sampling, greedy_rows = (temps, top_ks, top_ps, spec_metadata, draft_probs, slots), top_ks == 1
 
         def propose(node: int) -> None:
             kids = children[node]
@@ -166,14 +166,13 @@ class TreeStep:
             logits = draft_model.compute_logits(outputs[node])
             if guided is not None:
                 guided.execute_draft_batch(logits, draft_model.vocab_offsets, depths[node])
-            width = max(ranks[k] for k in kids) + 1
-            top = logits.topk(width, dim=-1).indices
-            if sampling is not None:
-                top = self._children(logits, top, node, draft_model.vocab_offsets, *sampling)
             d2t = draft_model.vocab_offsets
-            ids = top if d2t is None else top + d2t[top]
-            for kid in kids:
-                drafts[:, kid - 1] = ids[:, ranks[kid]]
+            top = logits.topk(max(ranks[k] for k in kids) + 1, dim=-1).indices  # by rank: greedy requests' children
+            drawn = None if sampling is None else self._children(logits, len(kids), node, d2t, *sampling)
+            for j, kid in enumerate(kids):  # a sampled request's j-th child is its j-th draw, whatever its rank
+                ids = top[:, ranks[kid]] if drawn is None else torch.where(greedy_rows, top[:, ranks[kid]],
+                                                                           drawn[:, j])
+                drafts[:, kid - 1] = ids if d2t is None else ids + d2t[ids]
 
         propose(0)
         for depth, (frontier, index) in enumerate(self.frontiers, start=1):
@@ -192,18 +191,18 @@ class TreeStep:
                 propose(node)
         return drafts
 
-    def _children(self, logits: torch.Tensor, ranked: torch.Tensor, node: int, d2t: torch.Tensor | None,
+    def _children(self, logits: torch.Tensor, num_children: int, node: int, d2t: torch.Tensor | None,
                   temps: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, spec_metadata: SpecMetadata,
                   draft_probs: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """A node's children in the draft vocabulary [B, W]: for sampled requests W draws without replacement
-        from the head's distribution q at the request's temperature / top-k / top-p (Gumbel top-k: the W largest
-        log q + Gumbel noise, from the request's stream for this node), q kept in ``draft_probs`` (target
-        vocabulary) for the next step's verification; greedy requests (top-k 1) keep ``ranked``."""
+        """A node's children for sampled requests, in the draft vocabulary [B, num_children]: draws one after the
+        other without replacement from the head's distribution q at the request's temperature / top-k / top-p
+        (Gumbel top-k: the largest log q + Gumbel noise, from the request's stream for this node; consecutive
+        draws even where the tree's ranks skip one, as rejection sampling needs), q kept in ``draft_probs``
+        (target vocabulary) for the next step's verification. (Greedy requests' rows are not used.)"""
         q = sampler.target_probs(logits, temps, top_ks, top_ps)  # [B, V_draft]
         seed, offset = spec_metadata.draft_streams(node)
         uniform = rng.uniform(seed, offset, tuple(q.shape), salt=_SALT_CHILDREN)
         if not spec_metadata.has_request_seeds:
             rng.advance(seed)  # the batch stream moves on after a draw (per-request streams already have)
-        drawn = (q.log() - torch.log(-torch.log(uniform))).topk(ranked.shape[1], dim=-1).indices
         draft_probs[slots, self.host_prob_rows[node]] = full_vocab_probs(q, d2t, draft_probs.shape[-1])
-        return torch.where((top_ks == 1)[:, None], ranked, drawn)
+        return (q.log() - torch.log(-torch.log(uniform))).topk(num_children, dim=-1).indices
