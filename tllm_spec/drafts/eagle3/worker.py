@@ -177,7 +177,7 @@ def emitted_rows(paths: torch.Tensor, num_contexts: int, tokens_per_request: int
     """[B, N+1]: the flat logits row behind each emitted column of a tree step: node paths[b, j] of generation
     request g's block (a context request's: its one row). paths [B, D+1] (a context request's: zeros)."""
     num_gen = paths.shape[0] - num_contexts
-    nodes = F.pad(paths, (0, tokens_per_request - paths.shape[1]), mode="replicate")
+    nodes = torch.cat([paths, paths[:, -1:].expand(-1, tokens_per_request - paths.shape[1])], dim=1)  # padded
     device = paths.device
     base = torch.cat([torch.arange(num_contexts, device=device),
                       num_contexts + torch.arange(num_gen, device=device) * tokens_per_request])
