@@ -71,7 +71,7 @@ def test_tree_tensors_match_the_host_structure():
     for choices in (TREE, [[0], [1], [1, 0], [1, 1], [1, 0, 0]], [[0]], [[i] for i in range(5)]):
         tree = DraftTree.from_choices(choices)
         tensors = tree.tensors()
-        children = tree_children(tree)
+        children = tree_children(tree.parents)
         assert tensors.parents.tolist() == tree.parents and tensors.depths.tolist() == tree.depths
         paths = tree.paths()
         assert tensors.paths.tolist() == [p + [p[-1]] * (tree.max_depth + 1 - len(p)) for p in paths]

@@ -104,7 +104,7 @@ class DraftTree:
 
     def tensors(self, device: torch.device | str = "cpu") -> TreeTensors:
         parents = torch.tensor(self.parents, dtype=torch.int64, device=device)
-        return tree_tensors(parents[None], self.max_depth, max(map(len, tree_children(self))))[0]
+        return tree_tensors(parents[None], self.max_depth, max(map(len, tree_children(self.parents))))[0]
 
 
 @dataclass(frozen=True)
@@ -185,20 +185,20 @@ def tree_tensors(parents: torch.Tensor, max_depth: int, width: int) -> TreeTenso
     return TreeTensors(parents, depths, ancestors, paths, children)
 
 
-def tree_children(tree: DraftTree) -> list[list[int]]:
-    """[N+1] lists: each node's children in rank order."""
-    children: list[list[int]] = [[] for _ in range(tree.num_nodes + 1)]
-    for node in range(1, tree.num_nodes + 1):
-        children[tree.parents[node]].append(node)
-    ranks = tree.ranks
-    return [sorted(c, key=lambda n: ranks[n]) for c in children]
+def tree_children(parents: Sequence[int]) -> list[list[int]]:
+    """[N+1] lists: each node's children in rank order (node order: a static tree numbers siblings by rank, a
+    dynamic one by creation), from the nodes' parents (the root, node 0, its own)."""
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents[1:], start=1):
+        children[parent].append(node)
+    return children
 
 
 def parent_rows(tree: DraftTree) -> list[int]:
     """[N+1]: the row of each node's draft distribution among the nodes with children (the root's is 0), -1 for
     a leaf: the layout of the per-request draft distributions a sampled tree keeps (only a parent's children are
     drawn from one)."""
-    children, rows, next_row = tree_children(tree), [], 0
+    children, rows, next_row = tree_children(tree.parents), [], 0
     for node in range(tree.num_nodes + 1):
         rows.append(next_row if children[node] else -1)
         next_row += bool(children[node])

@@ -146,7 +146,7 @@ class ModelRunner:
         """The dynamic trees the requests in ``slots`` verify next (their parents, read from the device between
         steps, for the grammar masks), or None: no dynamic tree, or a step that verifies a chain."""
         tree_step = getattr(self.worker, "tree_step", None)
-        if tree_step is None or not tree_step.is_dynamic or draft_len != tree_step.num_nodes or not slots:
+        if tree_step is None or not tree_step.is_dynamic or not self.worker.is_tree(draft_len) or not slots:
             return None
         return tree_step.parents[torch.tensor(slots, device=self.device)].tolist()
 

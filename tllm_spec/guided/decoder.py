@@ -56,7 +56,7 @@ class GuidedDecoder:
         shape comes with each step (:meth:`build`). ``draft_passes``: the draft passes a step may mask (a tree's
         depth; default max_draft_len)."""
         self.compiler, self.vocab_size = compiler, compiler.vocab_size
-        self.tree_children = tree_children(tree) if tree is not None else None
+        self.tree_children = tree_children(tree.parents) if tree is not None else None
         passes = tree.max_depth if tree is not None else draft_passes or max_draft_len
         self.max_draft_len = passes  # draft passes masked by forced tokens (a tree's: one per depth)
         width = bitmask_width(self.vocab_size)
@@ -144,10 +144,7 @@ class GuidedDecoder:
         """Each node's children when ``drafts`` form a tree (a dynamic one's ``parents``, or the static tree's
         N drafts), else None (a chain)."""
         if parents is not None:
-            children: list[list[int]] = [[] for _ in parents]
-            for node, parent in enumerate(parents[1:], start=1):
-                children[parent].append(node)
-            return children
+            return tree_children(parents)
         if self.tree_children is not None and len(drafts) + 1 == len(self.tree_children):
             return self.tree_children
         return None

@@ -71,9 +71,8 @@ def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int 
     per_token_kv = [2 * k.shape[2] * k.shape[3] * elem for k in kv.k]
     total += batch * context_len * sum(per_token_kv[:target.num_layers])
     k = model.max_draft_len if draft_len is None else draft_len
-    tree_step = getattr(model.worker, "tree_step", None)
-    if tree_step is not None and k == tree_step.num_nodes:
-        k = tree_step.max_depth  # a tree's step: a head pass (and a read of its cache) per depth
+    if getattr(model.worker, "tree_step", None) is not None and model.worker.is_tree(k):
+        k = model.worker.tree_step.max_depth  # a tree's step: a head pass (and a read of its cache) per depth
     if model.max_draft_len:
         draft = model.worker.draft_model
         fc = _param_bytes(draft.fc)

@@ -56,7 +56,7 @@ class TreeStep:
         self.prob_rows = torch.tensor(self.host_prob_rows, device=device)  # a host int: no sync in the step)
         rows = self.host_prob_rows
         self.num_parents = max(rows) + 1
-        children = tree_children(self.tree)
+        children = tree_children(self.tree.parents)
         # per depth from 1: the nodes with children (one head pass each), as a list and on the device
         self.frontiers = [(nodes, torch.tensor(nodes, device=device)) for nodes in
                           ([n for n in self.tree.nodes_at_depth(d) if children[n]]
@@ -150,7 +150,7 @@ class TreeStep:
         (:meth:`_children`) and keep each node's distribution there. ``guided``: the worker's GuidedDecoder, whose
         draft-pass mask of depth d masks the children of the nodes at depth d."""
         tree = self.tree
-        children, ranks, parents, depths = tree_children(tree), tree.ranks, tree.parents, tree.depths
+        children, ranks, parents, depths = tree_children(tree.parents), tree.ranks, tree.parents, tree.depths
         num = hidden.shape[0]
         drafts = torch.zeros(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
         outputs = {0: hidden}

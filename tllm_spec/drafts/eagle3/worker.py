@@ -78,7 +78,7 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         first_tokens = spec_metadata.gather_ids[spec_metadata.first_rows()[num_contexts:]]
         gen_slots = attn.token_slots[first_tokens]
         paths = None
-        if self.verifies_tree(draft_tokens):
+        if self.is_tree(draft_tokens.shape[1]):
             sampled = None
             if self.samples_tree(spec_metadata):
                 sampled = (target_logits[num_contexts:], self.draft_probs[gen_slots])
@@ -110,14 +110,14 @@ class Eagle3OneModelWorker(SpecWorkerBase):
 
     def verify_metadata(self, attn: AttentionMetadata, num_context_tokens: int, num_generation: int,
                         draft_len: int) -> AttentionMetadata:
-        if self.tree_step is None or draft_len != self.tree_step.num_nodes:
+        if not self.is_tree(draft_len):
             return attn
         return self.tree_step.verify_metadata(attn, num_context_tokens, num_generation)
 
-    def verifies_tree(self, draft_tokens: torch.Tensor) -> bool:
-        """Whether the drafts being verified form the tree (N of them; fewer: a chain a draft-length schedule
-        chose for the batch size)."""
-        return self.tree_step is not None and draft_tokens.shape[1] == self.tree_step.num_nodes
+    def is_tree(self, num_drafts: int) -> bool:
+        """Whether a step's ``num_drafts`` drafts form the tree (N of them; fewer: a chain a draft-length
+        schedule chose for the batch size)."""
+        return self.tree_step is not None and num_drafts == self.tree_step.num_nodes
 
     def draft(self, input_ids: torch.Tensor, row_tokens: torch.Tensor, target_features: torch.Tensor,
               num_accepted: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata,
@@ -142,7 +142,7 @@ class Eagle3OneModelWorker(SpecWorkerBase):
                 self.tree_step.compact(attn.kv_cache, attn, roots[num_ctx:], paths[num_ctx:], num_accepted[num_ctx:])
             position = attn.positions[roots] + num_accepted - 1  # the last accepted token's row once compacted
         hidden, slots, next_k = hidden[last], attn.token_slots[last], spec_metadata.next_draft_len
-        if self.tree_step is not None and next_k == self.tree_step.num_nodes:
+        if self.is_tree(next_k):
             return self.tree_step.draft(self.draft_model, hidden, position, slots, attn, spec_metadata,
                                         self.draft_probs if self.samples_tree(spec_metadata) else None,
                                         self.guided_decoder)
