@@ -137,7 +137,10 @@ def test_compacting_moves_the_accepted_path_into_place():
     path = torch.tensor([[0, 2, 5, 9], [0, 1, 1, 1]])  # request 0 keeps 4 nodes, request 1 two
     num_accepted = torch.tensor([4, 2])
     k_before, v_before = k_cache.clone(), v_cache.clone()
+    op_k, op_v = k_cache.clone(), v_cache.clone()
     compact_path_kv(k_cache, v_cache, block_tables, slots, base, path, num_accepted)
+    torch.ops.tllm_spec.compact_path_kv(op_k, op_v, block_tables, slots, base, path, num_accepted)
+    assert torch.equal(op_k, k_cache) and torch.equal(op_v, v_cache)  # the op the compiled step calls
 
     def row(cache, slot, position):
         table = block_tables[slot].long()

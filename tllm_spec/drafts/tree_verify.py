@@ -86,6 +86,11 @@ def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: 
         flat_cache.index_copy_(0, dst_rows, flat_cache.index_select(0, src_rows))
 
 
+# Under torch.compile the move is one custom op that mutates the caches in place (traced, a write into a view of
+# a graph input may be functionalised into a copy of the whole cache)
+torch.library.custom_op("tllm_spec::compact_path_kv", compact_path_kv, mutates_args=("k_cache", "v_cache"))
+
+
 def tree_rejection_sample(tree: DraftTree | TreeTensors, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                           draft_tokens: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
                           prob_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

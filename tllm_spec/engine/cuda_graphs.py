@@ -97,7 +97,11 @@ def generation_step(model: OneModel, kv: KVCache, ids: torch.Tensor, positions: 
 def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """:func:`generation_step` under torch.compile with dynamic shapes, the fused layers compiled with the same
     backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings`."""
-    options = COMPILE_OPTIONS if backend == "inductor" else None
+    options = None
+    if backend == "inductor":  # Inductor's coalescing analysis asserts on some of a dynamic tree's fused nodes
+        from torch._inductor import config as inductor_config
+        options = {**COMPILE_OPTIONS, **({"triton.coalesce_tiling_analysis": False}
+                                         if hasattr(inductor_config.triton, "coalesce_tiling_analysis") else {})}
     step = torch.compile(generation_step, dynamic=True, backend=backend, options=options)
 
     def run(*args) -> torch.Tensor:

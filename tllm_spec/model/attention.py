@@ -104,16 +104,11 @@ def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # the kernel takes dense heads (its tokens may have a stride: a slice of qkv)
-    if meta.tree_mask is not None:
-        kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
-        return paged_attention(q, k_cache, v_cache, cache.block_tables, meta.token_slots, meta.positions, scale,
-                               meta.max_kv_len, sliding_window, meta.tokens_per_request if num_ctx == 0 else 1,
-                               tree_mask=meta.tree_mask)
-    if num_ctx == 0 or not q.is_cuda:
+    if num_ctx == 0 or not q.is_cuda or meta.tree_mask is not None:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
         return op(q, k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
-                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len)
+                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len, meta.tree_mask)
     kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
     out = torch.empty_like(q)
     out[:num_ctx] = context_attention((k_cache, v_cache), q[:num_ctx], k[:num_ctx], v[:num_ctx], meta, scale, sliding_window)
@@ -127,9 +122,15 @@ def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, block_tables: torch.Tensor, token_slots: torch.Tensor,
                      write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
-                     sliding_window: int, query_len: int) -> torch.Tensor:
-    """kv_write then paged_attention (``sliding_window`` 0 = none). q [N, Hq, D] (dense heads; its tokens may have
-    a stride); k, v [N, Hkv, D] -> [N, Hq, D] contiguous."""
+                     sliding_window: int, query_len: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """kv_write then paged_attention (``sliding_window`` 0 = none; ``tree_mask``: a draft tree's visibility).
+    q [N, Hq, D] (dense heads; its tokens may have a stride); k, v [N, Hkv, D] -> [N, Hq, D] contiguous. One
+    custom op under torch.compile: Inductor never traces into the Triton kernels (a traced kernel's float
+    arguments can turn float64)."""
+    if tree_mask is not None:
+        kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
+        return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
+                               sliding_window or None, query_len, tree_mask=tree_mask)
     if write_slots is token_slots:  # the attention kernel writes the run's own K/V
         return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
                                sliding_window or None, query_len, new_kv=(k, v))
@@ -144,7 +145,7 @@ _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", wr
 
 @_write_and_attend_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
-      sliding_window, query_len):
+      sliding_window, query_len, tree_mask=None):
     return q.new_empty(q.shape)
 
 
