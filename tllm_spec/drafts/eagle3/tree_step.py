@@ -138,8 +138,9 @@ class TreeStep:
         """Move each generation request's accepted path into rows root .. root + n - 1, in every layer (the
         target's and the draft's). root_tokens [G] flat index of each run's root; paths [G, D+1]; num [G]."""
         slots, base = attn.token_slots[root_tokens], attn.positions[root_tokens]
+        move = torch.ops.tllm_spec.compact_path_kv if torch.compiler.is_compiling() else compact_path_kv
         for k_cache, v_cache in zip(kv.k, kv.v):
-            compact_path_kv(k_cache, v_cache, kv.block_tables, slots, base, paths, num_accepted)
+            move(k_cache, v_cache, kv.block_tables, slots, base, paths, num_accepted)
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
@@ -159,11 +160,8 @@ class TreeStep:
             temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
             sampling, greedy_rows = (temps, top_ks, top_ps, spec_metadata, draft_probs, slots), top_ks == 1
 
-        def propose(node: int) -> None:
+        def propose(node: int, logits: torch.Tensor) -> None:  # logits [B, V_draft] of a node with children
             kids = children[node]
-            if not kids:
-                return
-            logits = draft_model.compute_logits(outputs[node])
             if guided is not None:
                 guided.execute_draft_batch(logits, draft_model.vocab_offsets, depths[node])
             d2t = draft_model.vocab_offsets
@@ -174,7 +172,7 @@ class TreeStep:
                                                                            drawn[:, j])
                 drafts[:, kid - 1] = ids if d2t is None else ids + d2t[ids]
 
-        propose(0)
+        propose(0, draft_model.compute_logits(hidden))
         for depth, (frontier, index) in enumerate(self.frontiers, start=1):
             if not frontier:
                 break
@@ -188,7 +186,12 @@ class TreeStep:
             out = draft_model(drafts[:, index - 1].flatten(), inputs, meta).view(num, width, -1)
             for j, node in enumerate(frontier):
                 outputs[node] = out[:, j]
-                propose(node)
+            inner = [j for j, node in enumerate(frontier) if children[node]]  # one lm_head read for the depth
+            if inner:
+                hiddens = out if len(inner) == width else out[:, inner]
+                logits = draft_model.compute_logits(hiddens.flatten(0, 1)).view(num, len(inner), -1)
+                for i, j in enumerate(inner):
+                    propose(frontier[j], logits[:, i])
         return drafts
 
     def _children(self, logits: torch.Tensor, num_children: int, node: int, d2t: torch.Tensor | None,
