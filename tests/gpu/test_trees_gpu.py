@@ -1,6 +1,7 @@
 """Draft trees on the GPU, graphed (buckets captured, steps run ahead, the step compiled whole on a fused target)
 and eager: greedy output equals plain decoding, and seeded sampled requests (rejection sampling) equal eager's.
-Draft trees on CUDA are refused until this file passes on a GPU (``worker.GPU_TREES_CHECKED``, lifted here)."""
+Dynamic trees on CUDA are refused until this file passes on a GPU (``worker.GPU_DYNAMIC_TREES_CHECKED``, lifted
+here)."""
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ TREES = {"static": dict(max_draft_len=4, eagle_choices=[[0], [1], [2], [0, 0], [
 
 @pytest.fixture(autouse=True)
 def _trees_on_cuda(monkeypatch):
-    monkeypatch.setattr(worker, "GPU_TREES_CHECKED", True)
+    monkeypatch.setattr(worker, "GPU_DYNAMIC_TREES_CHECKED", True)
 
 
 def _model(tree: str | None, eager: bool, dtype=torch.float32) -> SpecModel:
