@@ -10,7 +10,7 @@ import torch
 
 from tllm_spec.drafts.base import strict_acceptance
 from tllm_spec.drafts.tree import DraftTree
-from tllm_spec.drafts.tree_verify import compact_path_kv, forced_tree_path, tree_greedy_accept
+from tllm_spec.drafts.tree_verify import compact_path_kv, forced_tree_path, path_rows, tree_greedy_accept
 
 TREES = {
     "chain3": [[0], [0, 0], [0, 0, 0]],
@@ -139,7 +139,8 @@ def test_compacting_moves_the_accepted_path_into_place():
     k_before, v_before = k_cache.clone(), v_cache.clone()
     op_k, op_v = k_cache.clone(), v_cache.clone()
     compact_path_kv(k_cache, v_cache, block_tables, slots, base, path, num_accepted)
-    torch.ops.tllm_spec.compact_path_kv(op_k, op_v, block_tables, slots, base, path, num_accepted)
+    src, dst = path_rows(block_tables, slots, base, path, num_accepted, page_size)
+    torch.ops.tllm_spec.move_rows([op_k, op_v], src, dst)
     assert torch.equal(op_k, k_cache) and torch.equal(op_v, v_cache)  # the op the compiled step calls
 
     def row(cache, slot, position):

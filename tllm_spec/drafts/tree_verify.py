@@ -9,7 +9,7 @@ strict acceptance.
 
 Tree tokens are written to the cache at rows base + node index (nodes of one depth share a RoPE position,
 base + depth, but not a row); after acceptance the path's rows are moved to base + depth
-(:func:`compact_path_kv`), so the committed cache is what a chain would have left.
+(:func:`path_rows`, :func:`move_rows`), so the committed cache is what a chain would have left.
 """
 from __future__ import annotations
 
@@ -60,35 +60,44 @@ def forced_tree_path(tree: TreeTensors, num_accepted: torch.Tensor) -> torch.Ten
     return _first_deepest(tree, allowed, tree.depths)[1]
 
 
-def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor,
-                    base: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-    """Move the accepted path's K/V rows into place, in one layer's paged cache: path node j of request b (row
-    base[b] + path[b, j]) to row base[b] + j, for j < num_accepted[b]. A node's index is never below its depth, so
-    no row is read after it was written (done as one gather, then one scatter).
-
-    k_cache, v_cache [num_pages, page_size, Hkv, D]; block_tables [S, P] int32; slots, base, num_accepted [B]
-    int64; path [B, D+1] int64."""
-    page_size = k_cache.shape[1]
+def path_rows(block_tables: torch.Tensor, slots: torch.Tensor, base: torch.Tensor, path: torch.Tensor,
+              num_accepted: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat cache rows (page * page_size + offset) of the accepted paths' move: path node j of request b (row
+    base[b] + path[b, j]) goes to row base[b] + j for j < num_accepted[b]; rows not kept are written back onto
+    themselves (fixed shapes). block_tables [S, P] int32; slots, base, num_accepted [B] int64; path [B, D+1] int64
+    -> (src, dst) [B * (D+1)] int64, the same for every layer."""
     width = path.shape[1]
     offsets = torch.arange(width, device=path.device)
     keep = offsets[None, :] < num_accepted[:, None]  # [B, D+1]
     src = base[:, None] + path
-    dst = base[:, None] + offsets[None, :]
-    dst = torch.where(keep, dst, src)  # rows not kept are written back onto themselves
+    dst = torch.where(keep, base[:, None] + offsets[None, :], src)
     table = block_tables[slots].long()  # [B, P]
 
     def flat(rows: torch.Tensor) -> torch.Tensor:
         return table.gather(1, rows // page_size) * page_size + rows % page_size
+    return flat(src).flatten(), flat(dst).flatten()
 
-    src_rows, dst_rows = flat(src).flatten(), flat(dst).flatten()
-    for cache in (k_cache, v_cache):
+
+def move_rows(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In every paged cache [num_pages, page_size, Hkv, D] of ``caches``, row src[i] to row dst[i] (flat rows). A
+    path node's index is never below its depth, so no row is read after it was written (one gather, then one
+    scatter per cache)."""
+    for cache in caches:
         flat_cache = cache.view(-1, *cache.shape[2:])
-        flat_cache.index_copy_(0, dst_rows, flat_cache.index_select(0, src_rows))
+        flat_cache.index_copy_(0, dst, flat_cache.index_select(0, src))
 
 
 # Under torch.compile the move is one custom op that mutates the caches in place (traced, a write into a view of
 # a graph input may be functionalised into a copy of the whole cache)
-torch.library.custom_op("tllm_spec::compact_path_kv", compact_path_kv, mutates_args=("k_cache", "v_cache"))
+torch.library.custom_op("tllm_spec::move_rows", move_rows, mutates_args=("caches",))
+
+
+def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor,
+                    base: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Move the accepted path's K/V rows into place in one layer's paged cache (:func:`path_rows`,
+    :func:`move_rows`; a step computes the rows once for all its layers)."""
+    src, dst = path_rows(block_tables, slots, base, path, num_accepted, k_cache.shape[1])
+    move_rows([k_cache, v_cache], src, dst)
 
 
 def tree_rejection_sample(tree: DraftTree | TreeTensors, target_probs: torch.Tensor, draft_probs: torch.Tensor,

@@ -30,7 +30,7 @@ from ...sampling.rejection import full_vocab_probs
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
 from ..tree import DraftTree, TreeTensors, parent_rows, tree_children
-from ..tree_verify import compact_path_kv, forced_tree_path, tree_greedy_accept, tree_rejection_sample
+from ..tree_verify import forced_tree_path, move_rows, path_rows, tree_greedy_accept, tree_rejection_sample
 
 if TYPE_CHECKING:
     from ...guided.decoder import GuidedDecoder
@@ -138,9 +138,9 @@ class TreeStep:
         """Move each generation request's accepted path into rows root .. root + n - 1, in every layer (the
         target's and the draft's). root_tokens [G] flat index of each run's root; paths [G, D+1]; num [G]."""
         slots, base = attn.token_slots[root_tokens], attn.positions[root_tokens]
-        move = torch.ops.tllm_spec.compact_path_kv if torch.compiler.is_compiling() else compact_path_kv
-        for k_cache, v_cache in zip(kv.k, kv.v):
-            move(k_cache, v_cache, kv.block_tables, slots, base, paths, num_accepted)
+        src, dst = path_rows(kv.block_tables, slots, base, paths, num_accepted, kv.page_size)  # once, all layers
+        move = torch.ops.tllm_spec.move_rows if torch.compiler.is_compiling() else move_rows
+        move([*kv.k, *kv.v], src, dst)
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
