@@ -112,3 +112,31 @@ def test_varlen_call_matches_the_torch_version(monkeypatch, takes, window, expec
     heads = 2 if "enable_gqa" in takes else 4
     assert calls == [(heads, [0, 5, 12], 7, expected)]
     assert attention.varlen_causal_attention(q, k, k, (5, 7), 0.5, window) is None or "scale" in takes
+
+
+def test_the_compiled_steps_op_takes_a_tree_mask():
+    """A draft tree's attention inside the compiled step goes through the write_and_attend custom op (Inductor
+    never traces the kernels): with the tree mask it writes the run's K/V and equals the paged reference."""
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache([(2, 8)], num_pages=8, page_size=4, max_requests=1, max_tokens_per_request=24,
+                    dtype=torch.float32, device="cpu")
+    slot = cache.allocate(20)
+    n, base = 6, 9  # a root and five nodes at rows 9..14
+    q, k, v = torch.randn(n, 4, 8, generator=g), torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
+    cache.k[0].normal_(generator=g)
+    cache.v[0].normal_(generator=g)
+    slots, rows = torch.full((n,), slot), torch.arange(base, base + n)
+    tree_mask = torch.tensor([1, 3, 5, 11, 19, 41])  # visibility bits: bit j lets a row see the key j rows below
+    k_before, v_before = cache.k[0].clone(), cache.v[0].clone()
+    out = torch.ops.tllm_spec.write_and_attend(q, k, v, cache.k[0], cache.v[0], cache.block_tables, slots, slots,
+                                               rows, 0.3, 24, 0, n, tree_mask)
+    k_ref, v_ref = k_before.clone(), v_before.clone()
+    table = cache.block_tables[slot].long()
+    flat = table[rows // 4] * 4 + rows % 4
+    k_ref.view(-1, 2, 8)[flat], v_ref.view(-1, 2, 8)[flat] = k, v
+    assert torch.equal(cache.k[0], k_ref) and torch.equal(cache.v[0], v_ref)
+    expected = paged_attention_ref(q, k_ref, v_ref, cache.block_tables, slots, rows, 0.3, 24, None, n,
+                                   tree_mask=tree_mask)
+    torch.testing.assert_close(out, expected)
+    plain = paged_attention_ref(q, k_ref, v_ref, cache.block_tables, slots, rows, 0.3, 24, None, n)
+    assert not torch.allclose(out, plain)  # the mask was applied
