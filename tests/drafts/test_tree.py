@@ -140,7 +140,7 @@ def test_compacting_moves_the_accepted_path_into_place():
     op_k, op_v = k_cache.clone(), v_cache.clone()
     compact_path_kv(k_cache, v_cache, block_tables, slots, base, path, num_accepted)
     src, dst = path_rows(block_tables, slots, base, path, num_accepted, page_size)
-    torch.ops.tllm_spec.move_rows([op_k, op_v], src, dst)
+    torch.ops.tllm_spec.move_rows(op_k, op_v, src, dst)
     assert torch.equal(op_k, k_cache) and torch.equal(op_v, v_cache)  # the op the compiled step calls
 
     def row(cache, slot, position):

@@ -52,6 +52,8 @@ def test_summary_divides_by_the_baseline_and_picks_the_fastest_at_the_heads_acce
     text = table(out)
     assert "| static:default | 26 | 1 | 15.00 | 1.500x | 7.00 | 466.7 | 1.333x |" in text
     assert "| dynamic:4:32:7 | 33 | 1 | 16.00 | 1.600x | - | - | - |" in text
+    del result["accepted"]["chain:3"]  # a baseline without an acceptance: no ratio to it
+    assert "| static:default | 26 | 1 | 15.00 | 1.500x | 7.00 | 466.7 | - |" in table(summarise(result))
 
 
 def test_script_refuses_unknown_variants_and_stray_acceptance(monkeypatch):

@@ -57,8 +57,9 @@ def table(result: dict) -> str:
     for p in result["points"]:
         v = result["variants"][p["variant"]]
         accepted = result["accepted"].get(p["variant"])
+        ratio = p["head_tokens_per_second_vs_baseline"]
         head = (f"{accepted:.2f} | {p['head_tokens_per_second']:.1f} | "
-                f"{p['head_tokens_per_second_vs_baseline'] or 0:.3f}x") if accepted else "- | - | -"
+                f"{f'{ratio:.3f}x' if ratio else '-'}") if accepted else "- | - | -"
         lines.append(f"| {p['variant']} | {v['verified_tokens']} | {p['batch']} | {p['step_ms']:.2f} | "
                      f"{p['step_vs_baseline']:.3f}x | {head} |")
     lines.append(f"fastest at the head's acceptance, per batch size: {result['fastest']}")

@@ -140,7 +140,8 @@ class TreeStep:
         slots, base = attn.token_slots[root_tokens], attn.positions[root_tokens]
         src, dst = path_rows(kv.block_tables, slots, base, paths, num_accepted, kv.page_size)  # once, all layers
         move = torch.ops.tllm_spec.move_rows if torch.compiler.is_compiling() else move_rows
-        move([*kv.k, *kv.v], src, dst)
+        for k_cache, v_cache in zip(kv.k, kv.v):
+            move(k_cache, v_cache, src, dst)
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
