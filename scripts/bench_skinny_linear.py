@@ -6,6 +6,7 @@ replay from one CUDA graph, so the numbers are HBM reads without launch gaps. Pr
 variant, the best configuration per shape, and writes the JSON.
 
     python3 scripts/bench_skinny_linear.py --shape llama-3.1-8b --rows 1 4 --out skinny.json
+    python3 scripts/bench_skinny_linear.py --rows 4 16 26 32 --tiles chosen   # tile_config's tile only (fast)
     python3 scripts/bench_skinny_linear.py --plot-only skinny.json     # bar chart beside the JSON
 """
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--tiles", choices=("grid", "chosen"), default="grid",
+                        help="time every tile of the grid, or only the one tile_config chooses")
     parser.add_argument("--out", default=None, help="JSON results file (and a bar chart beside it)")
     parser.add_argument("--plot-only", default=None, help="re-plot an earlier JSON results file")
     args = parser.parse_args(argv)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             ref = F.linear(x, weights[0]).float()
             point = {"proj": name, "n": n, "k": k, "rows": rows,
                      "cublas_gbps": nbytes / time_per_call(lambda w: F.linear(x, w), weights) / 1e9, "configs": {}}
-            for config in GRID:
+            for config in GRID if args.tiles == "grid" else [tile_config(n, k, rows)]:
                 try:
                     out = skinny_linear(x, weights[0], config=config).float()
                 except Exception as exc:  # a tile that does not compile or fit on this GPU: skip it
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 point["configs"][",".join(map(str, config))] = nbytes / seconds / 1e9
             best = max(point["configs"].items(), key=lambda kv: kv[1])
             point["best"] = best[0]
-            chosen = point["configs"].get(",".join(map(str, tile_config(n, k))), float("nan"))
+            chosen = point["configs"].get(",".join(map(str, tile_config(n, k, rows))), float("nan"))
             print(f"{name:14s} N={n:6d} K={k:5d} rows={rows}: cuBLAS {point['cublas_gbps']:6.0f} GB/s, "
                   f"skinny best {best[1]:6.0f} GB/s ({best[0]}), tile_config's {chosen:6.0f}", flush=True)
             results["points"].append(point)
@@ -110,7 +113,8 @@ def plot(results: dict, path: Path) -> None:
     points = results["points"]
     labels = [f"{p['proj']}\n{p['rows']} row{'s' if p['rows'] > 1 else ''}" for p in points]
     series = {"cuBLAS (F.linear)": [p["cublas_gbps"] for p in points],
-              "skinny, tile_config": [p["configs"].get(",".join(map(str, tile_config(p["n"], p["k"]))), 0.0)
+              "skinny, tile_config": [p["configs"].get(",".join(map(str, tile_config(p["n"], p["k"], p["rows"]))),
+                                                       0.0)
                                       for p in points],
               "skinny, best tile": [p["configs"][p["best"]] for p in points]}
     fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(points)), 4.2))

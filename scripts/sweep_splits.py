@@ -1,7 +1,8 @@
 """Verify attention alone (one layer, Llama-3.1-8B heads, 4 query tokens per request) at each split count: the
-time per call and its share of the bandwidth, beside the automatic choice.
+time per call and its share of the bandwidth, beside the automatic choice; with --tiles, per program tile.
 
     python scripts/sweep_splits.py --contexts 2048 8192 32768 --batches 1 8
+    python scripts/sweep_splits.py --query-len 26 --contexts 256 2048 --batches 1 --splits 1 --tiles auto 128x4 64x8
 """
 from __future__ import annotations
 
@@ -24,19 +25,26 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64])
+    p.add_argument("--query-len", type=int, default=4, help="query tokens per request (26: the default tree)")
+    p.add_argument("--tiles", nargs="+", default=["auto"],
+                   help="program tiles, KEYSxWARPS (e.g. 64x8), or 'auto' (the kernel's own choice)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="bytes/s the fractions are taken of")
     args = p.parse_args()
     device = torch.device("cuda")
     for batch in args.batches:
         for context in args.contexts:
-            shape = VerifyShape(batch, context)
+            shape = VerifyShape(batch, context, args.query_len)
             inputs = make_inputs(shape, device, copies_for(shape))
             auto = choose_num_splits(batch * shape.num_kv_heads, shape.kv_len, _num_sms(device))
-            row = []
-            for s in [None, *args.splits]:
-                us, _ = time_per_call_us(paged_run(shape, inputs, s), len(inputs.caches), device)
-                row.append(f"{'auto=' + str(auto) if s is None else s}:{us:.1f}us/{shape.kv_bytes / us / 1e-6 / args.bandwidth:.0%}")
-            print(f"batch {batch} context {context}: " + "  ".join(row), flush=True)
+            for tile in args.tiles:
+                keys_warps = None if tile == "auto" else tuple(int(x) for x in tile.split("x"))
+                row = []
+                for s in [None, *args.splits]:
+                    us, _ = time_per_call_us(paged_run(shape, inputs, s, keys_warps), len(inputs.caches), device)
+                    share = shape.kv_bytes / us / 1e-6 / args.bandwidth
+                    row.append(f"{'auto=' + str(auto) if s is None else s}:{us:.1f}us/{share:.0%}")
+                print(f"batch {batch} context {context} query_len {args.query_len} tile {tile}: " + "  ".join(row),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _operands(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: i
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (32000, 4096), (1000, 200), (72, 1030)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 26, 32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
     x, w, b = _operands(rows, n, k, dtype, bias, seed=n + k + rows)
@@ -38,7 +38,7 @@ def test_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
     ref = F.linear(x.float(), w.float(), b.float() if bias else None)
     assert out.dtype == dtype and out.shape == (rows, n)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    for config in {tile_config(n, k), (16, 64, 4, 2), (64, 128, 8, 3)}:  # every tile shape gives the same sums
+    for config in {tile_config(n, k, rows), (16, 64, 4, 2), (64, 128, 8, 3)}:  # every tile shape gives the same sums
         torch.testing.assert_close(skinny_linear(x, w, b, config=config).float(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -66,7 +66,7 @@ def test_op_compiles_into_one_graph_with_dynamic_rows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(28672, 4096), (2 * 1000, 200)])
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 26])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gated_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
     """The SwiGLU epilogue at Llama-3.1-8B's gate/up shape and at a feature count that leaves a tail."""
@@ -80,7 +80,7 @@ def test_gated_kernel_matches_fp32_reference(dtype, n, k, rows, bias):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 32])
 def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
     """The o projection's and the down projection's residual add (Llama-3.1-8B shapes)."""
     n, k = (28672, 4096) if gated else (4096, 4096)
@@ -95,7 +95,7 @@ def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,head_dim,bias", [((32, 8), 128, False), ((28, 4), 128, True), ((12, 4), 64, False)])
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16, 26])
 def test_rotary_epilogue_is_the_stock_rotation(dtype, heads, head_dim, bias, rows):
     """RoPE in the q|k|v GEMM's epilogue (Llama-3.1-8B, a Qwen2-7B-like shape with biases, a 64-wide head):
     the fp32 reference's result; and with small-integer operands, whose sums are exact in any order, exactly

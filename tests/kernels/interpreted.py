@@ -66,6 +66,10 @@ def _split_cases() -> None:
             print(f"ok tree paged_attention query_len={query_len} fused_write={fused} splits={splits}")
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
+    for fused, splits in itertools.product([False, True], [1, 2]):  # 26 tokens x 4 heads: the wide tile
+        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=40, tree=True)
+        print(f"ok wide tree paged_attention tile={attention_module.attention_tile(128)} fused_write={fused} "
+              f"splits={splits}")
     for query_len, window in itertools.product([1, 3], [0, 9]):
         _merge_case(query_len, window)
         print(f"ok merge_splits query_len={query_len} window={window}")
@@ -216,16 +220,16 @@ def main() -> None:
         print(f"ok paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} window={window} "
               f"fused_write={fused}")
     _split_cases()
-    skinny = itertools.product([1, 4, 16], [(48, 100), (33, 256), (64, 300)], [False, True],
+    skinny = itertools.product([1, 4, 16, 26], [(48, 100), (33, 256), (64, 300)], [False, True],
                                [(16, 64, 4, 2), (32, 128, 4, 3)])
     for rows, (n, k), bias, config in skinny:
         _skinny_case(rows, n, k, bias, config)
         print(f"ok skinny_linear rows={rows} n={n} k={k} bias={bias} tile={config}")
-    epilogues = itertools.product([1, 5, 16], [(96, 100), (50, 64)], [False, True], [False, True])
+    epilogues = itertools.product([1, 5, 16, 32], [(96, 100), (50, 64)], [False, True], [False, True])
     for rows, (n, k), gated, residual in epilogues:
         _epilogue_skinny_case(rows, n, k, gated, residual, (16, 64, 4, 2))
         print(f"ok epilogue skinny_linear rows={rows} n={n} k={k} gated={gated} residual={residual}")
-    rotary = itertools.product([1, 4, 16], [(4, 2, 16), (3, 1, 32)], [False, True])
+    rotary = itertools.product([1, 4, 16, 26], [(4, 2, 16), (3, 1, 32)], [False, True])
     for rows, (num_heads, num_kv_heads, head_dim), bias in rotary:
         _rotary_skinny_case(rows, num_heads, num_kv_heads, head_dim, bias, (16, 64, 4, 2))
         print(f"ok rotary skinny_linear rows={rows} heads={num_heads}/{num_kv_heads} d={head_dim} bias={bias}")

@@ -24,10 +24,12 @@ from .kv_write import kv_write_ref
 
 MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this costs more in merging than it saves
 MAX_KEYS_PER_SPLIT = 2048
-BLOCK_N = 128
+BLOCK_N = 128  # keys per loop iteration of a program with few query rows (attention_tile)
 TREE_WINDOW = 63  # a tree token's mask covers the 63 positions up to its own (the int64's non-sign bits)
 NUM_STAGES = 3  # key blocks in flight per program (software pipelining of the key loop)
 NUM_WARPS = 4
+WIDE_ROWS = 64  # from this many query rows a program (a draft tree's run) takes WIDE_TILE
+WIDE_TILE = (64, 8)  # (keys per iteration, warps): its score and output tiles stay in registers
 PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
 PREFETCH_BLOCKS = 2  # key blocks whose cached K/V a dependent launch asks L2 for before its wait
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
@@ -99,7 +101,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     token_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
                     sliding_window: int | None = None, query_len: int = 1,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    num_splits: int | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, tree_mask: torch.Tensor | None = None,
+                    tile: tuple[int, int] | None = None) -> torch.Tensor:
     """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference.
 
     ``query_len``: consecutive query tokens that belong to one request (K+1 in a verify step, 1 in a draft
@@ -109,6 +112,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     attends (one launch instead of two). Only valid when each run holds ALL of its request's new tokens.
     ``num_splits``: KV splits per run (None: :func:`choose_num_splits`; 1: the unsplit kernel).
     ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
+    ``tile``: (keys per iteration, warps) of a program (None: :func:`attention_tile`; for benchmarks).
     """
     if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
@@ -136,19 +140,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert tree_mask is None or (tree_mask.shape == (num_tokens,) and tree_mask.dtype == torch.int64)
     pdl = dependent_launch.launches_dependent(q)
     rows_pad = max(16, triton.next_power_of_2(group * query_len))
+    block_n, num_warps = tile or attention_tile(rows_pad)
     _paged_attention_kernel[(num_runs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, token_slots, positions, positions if tree_mask is None else tree_mask,
         tree_mask is not None, out, part_acc, part_ml, scale, num_tokens,
         q.stride(0), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len, ROWS_PAD=rows_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
         MIN_CHUNK=MIN_KEYS_PER_SPLIT, NUM_STAGES=NUM_STAGES,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=NUM_WARPS,
+        PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=num_warps,
         **dependent_launch.launch_options(pdl))
     if num_splits > 1:
-        merge_splits(part_acc, part_ml, positions, out, query_len, sliding_window or 0, BLOCK_N,
+        merge_splits(part_acc, part_ml, positions, out, query_len, sliding_window or 0, block_n,
                      MIN_KEYS_PER_SPLIT, pdl)
     return out
 
@@ -165,6 +170,16 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     # wave; at batch 8 and 8k keys, 5 splits took 100 µs where 4 took 77, scripts/sweep_splits.py)
     wanted = max(PROGRAMS_PER_SM * num_sms // num_programs, -(-max_kv_len // MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, MAX_SPLITS, -(-max_kv_len // MIN_KEYS_PER_SPLIT)))
+
+
+def attention_tile(rows_pad: int) -> tuple[int, int]:
+    """(keys per iteration, warps) of a program with ``rows_pad`` query rows (query tokens x the query heads of
+    one KV head, padded): BLOCK_N keys and NUM_WARPS warps for a chain's few rows; from WIDE_ROWS (a draft
+    tree's 26 tokens x 4 heads pad to 128) fewer keys and more warps, where 128 x 128 fp32 score and output
+    tiles on four warps would spill registers."""
+    if rows_pad < WIDE_ROWS:
+        return BLOCK_N, NUM_WARPS
+    return min(BLOCK_N, WIDE_TILE[0]), WIDE_TILE[1]
 
 
 def _num_sms(device: torch.device) -> int:

@@ -1,11 +1,11 @@
-"""``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 16): a weight-streaming GEMM,
+"""``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 32: a chain's or a draft tree's): a weight-streaming GEMM,
 optionally with the SwiGLU product of a fused gate/up projection, or a residual add, as its epilogue.
 
 A decoding step's projections read megabytes of weight for a handful of token rows, so their speed is the
 weight read. One program owns ``BLOCK_N`` output features over the whole of K (no split-K, so no second
 reduction kernel) and streams its weight tiles through Triton's software pipeline (``num_stages``); the token
-rows are padded to 16 inside the kernel for the tensor-core dot. bf16/fp16 only: fp32 keeps cuBLAS (and its
-exact rounding). :func:`skinny_linear_op` is the torch custom op the fused layers call: it takes the kernel
+rows are padded to 16 (or 32, :func:`padded_rows`) inside the kernel for the tensor-core dot. bf16/fp16 only:
+fp32 keeps cuBLAS (and its exact rounding). :func:`skinny_linear_op` is the torch custom op the fused layers call: it takes the kernel
 where :func:`supports` says so and cuBLAS otherwise, per call, so one compiled graph serves both.
 
 ``gated``: weight is gate | up stacked ([2I, K]) and the result ``silu(gate) * up`` [M, I]. Each program
@@ -35,15 +35,21 @@ try:  # triton is a GPU extra: the package imports and runs without it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-MAX_ROWS = 16
+MAX_ROWS = 32  # a verify step of one request's draft tree (26 tokens by default) still streams its weights
 
 
-def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
+def padded_rows(rows: int) -> int:
+    """The kernel's row tile: 16 for a chain's few rows (the tile it was tuned with), 32 up to MAX_ROWS."""
+    return 16 if rows <= 16 else 32
+
+
+def tile_config(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight, from ``scripts/bench_skinny_linear.py``
     on an H200 (Llama-3.1-8B shapes, 1 and 4 rows): few output features (o, down, the EAGLE-3 fc) want long K
-    tiles, many (gate/up, lm_heads) short ones."""
+    tiles, many (gate/up, lm_heads) short ones. With a 32-row tile the long-K tiles keep three stages in
+    flight, not four (four of x and weight tiles would not fit an H100's shared memory)."""
     if n <= 4096:
-        return 32, 512, 4, 4
+        return (32, 512, 4, 4) if padded_rows(rows) == 16 else (32, 512, 4, 3)
     if n >= 16384:
         return 64, 128, 4, 3
     return 64, 256, 4, 4
@@ -80,7 +86,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
             and (residual is None or (residual.dtype == x.dtype and residual.shape == (x.shape[0], out_features)
                                       and residual.stride(1) == 1))
             and (rope_cos is None or _supports_rotary(x, weight, gated, rope_cos, rope_sin, rotary_cols,
-                                                      (config or tile_config(*weight.shape))[0])))
+                                                      (config or tile_config(*weight.shape, x.shape[0]))[0])))
 
 
 def _supports_rotary(x: torch.Tensor, weight: torch.Tensor, gated: bool, cos: torch.Tensor, sin: torch.Tensor,
@@ -104,7 +110,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                  rope_sin=rope_sin, rotary_cols=rotary_cols)
     rows, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, num_warps, num_stages = config or tile_config(n, k)
+    block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     rotary = rope_cos is not None
     pdl = dependent_launch.launches_dependent(x)
@@ -114,8 +120,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out.stride(0), 0 if residual is None else residual.stride(0), rope_cos.stride(0) if rotary else 0,
         rope_sin.stride(0) if rotary else 0, rotary_cols if rotary else 0,
         HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, ROTARY=rotary,
-        HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1, ROWS=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1, ROWS=padded_rows(rows), BLOCK_N=block_n,
+        BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         **dependent_launch.launch_options(pdl))
     return out
 

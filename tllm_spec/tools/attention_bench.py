@@ -110,9 +110,11 @@ def xqa_causal_mask(batch: int, query_len: int, device: torch.device | str) -> t
     return packed.expand(batch, query_len, words).contiguous().view(torch.uint16)
 
 
-def paged_run(shape: VerifyShape, inputs: VerifyInputs, num_splits: int | None) -> Run:
-    """Our kernel; ``num_splits`` 1 = unsplit, None = its automatic split-KV choice."""
-    kwargs = {}
+def paged_run(shape: VerifyShape, inputs: VerifyInputs, num_splits: int | None,
+              tile: tuple[int, int] | None = None) -> Run:
+    """Our kernel; ``num_splits`` 1 = unsplit, None = its automatic split-KV choice; ``tile`` (keys per iteration,
+    warps), None = its own choice."""
+    kwargs = {} if tile is None else {"tile": tile}
     if "num_splits" in inspect.signature(paged_attention).parameters:
         kwargs["num_splits"] = num_splits
     elif num_splits != 1:

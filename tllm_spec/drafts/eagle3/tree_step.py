@@ -17,6 +17,7 @@ acceptance lets through. Greedy requests keep the ranked children and the greedy
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +62,7 @@ class TreeStep:
         self.frontiers = [(nodes, torch.tensor(nodes, device=device)) for nodes in
                           ([n for n in self.tree.nodes_at_depth(d) if children[n]]
                            for d in range(1, self.tree.max_depth))]
+        self.proposals = [_Proposal.of(self.tree, children, depth, device) for depth in range(self.tree.max_depth)]
         return self
 
     @property
@@ -150,30 +152,32 @@ class TreeStep:
         position [B] (its row), slots [B]. Returns the N drafts [B, N] in node order. ``draft_probs``
         [slots, P, V] (rejection sampling, a step with sampled requests): sampled requests draw their children
         (:meth:`_children`) and keep each node's distribution there. ``guided``: the worker's GuidedDecoder, whose
-        draft-pass mask of depth d masks the children of the nodes at depth d."""
+        draft-pass mask of depth d masks the children of the nodes at depth d. Each depth's children are proposed
+        together (one top-k over its parents' logits, one write of their tokens), so the launches grow with the
+        depth, not with the nodes."""
         tree = self.tree
-        children, ranks, parents, depths = tree_children(tree.parents), tree.ranks, tree.parents, tree.depths
+        parents = tree.parents
         num = hidden.shape[0]
-        drafts = torch.zeros(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
+        drafts = torch.empty(num, tree.num_nodes, dtype=torch.int64, device=hidden.device)
         outputs = {0: hidden}
-        sampling = greedy_rows = None
+        sampling = None
         if draft_probs is not None:
             temps, top_ks, top_ps = (x[spec_metadata.first_rows()] for x in spec_metadata.rows())
-            sampling, greedy_rows = (temps, top_ks, top_ps, spec_metadata, draft_probs, slots), top_ks == 1
+            sampling = (temps, top_ks, top_ps, spec_metadata, draft_probs, slots)
 
-        def propose(node: int, logits: torch.Tensor) -> None:  # logits [B, V_draft] of a node with children
-            kids = children[node]
+        def propose(depth: int, logits: torch.Tensor) -> None:  # logits [B, P, V_draft]: depth's parents
+            plan, d2t = self.proposals[depth], draft_model.vocab_offsets
             if guided is not None:
-                guided.execute_draft_batch(logits, draft_model.vocab_offsets, depths[node])
-            d2t = draft_model.vocab_offsets
-            top = logits.topk(max(ranks[k] for k in kids) + 1, dim=-1).indices  # by rank: greedy requests' children
-            drawn = None if sampling is None else self._children(logits, len(kids), node, d2t, *sampling)
-            for j, kid in enumerate(kids):  # a sampled request's j-th child is its j-th draw, whatever its rank
-                ids = top[:, ranks[kid]] if drawn is None else torch.where(greedy_rows, top[:, ranks[kid]],
-                                                                           drawn[:, j])
-                drafts[:, kid - 1] = ids if d2t is None else ids + d2t[ids]
+                for i in range(logits.shape[1]):  # the depth's mask for every parent (views: masked in place)
+                    guided.execute_draft_batch(logits[:, i], d2t, depth)
+            ids = logits.topk(plan.top, dim=-1).indices.flatten(1)[:, plan.picks]  # greedy: children by rank
+            if sampling is not None:  # a sampled request's j-th child is its j-th draw, whatever its rank
+                drawn = torch.cat([self._children(logits[:, i], count, node, d2t, *sampling)
+                                   for i, (node, count) in enumerate(plan.parents)], dim=1)
+                ids = torch.where(sampling[1][:, None] == 1, ids, drawn)
+            drafts[:, plan.first - 1:plan.last] = ids if d2t is None else ids + d2t[ids]
 
-        propose(0, draft_model.compute_logits(hidden))
+        propose(0, draft_model.compute_logits(hidden)[:, None])
         for depth, (frontier, index) in enumerate(self.frontiers, start=1):
             if not frontier:
                 break
@@ -187,12 +191,8 @@ class TreeStep:
             out = draft_model(drafts[:, index - 1].flatten(), inputs, meta).view(num, width, -1)
             for j, node in enumerate(frontier):
                 outputs[node] = out[:, j]
-            inner = [j for j, node in enumerate(frontier) if children[node]]  # one lm_head read for the depth
-            if inner:
-                hiddens = out if len(inner) == width else out[:, inner]
-                logits = draft_model.compute_logits(hiddens.flatten(0, 1)).view(num, len(inner), -1)
-                for i, j in enumerate(inner):
-                    propose(frontier[j], logits[:, i])
+            # the frontier is the depth's parents (self.proposals[depth].parents): one lm_head read for them all
+            propose(depth, draft_model.compute_logits(out.flatten(0, 1)).view(num, width, -1))
         return drafts
 
     def _children(self, logits: torch.Tensor, num_children: int, node: int, d2t: torch.Tensor | None,
@@ -210,3 +210,27 @@ class TreeStep:
             rng.advance(seed)  # the batch stream moves on after a draw (per-request streams already have)
         draft_probs[slots, self.host_prob_rows[node]] = full_vocab_probs(q, d2t, draft_probs.shape[-1])
         return (q.log() - torch.log(-torch.log(uniform))).topk(num_children, dim=-1).indices
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    """How one depth's parents propose the next depth's nodes (``first`` .. ``last``, contiguous in breadth-first
+    order, grouped by parent in parent order, siblings by rank): ``parents`` [(node, number of children)] in node
+    order (the nodes of the depth with children); ``top``: the top-k the greedy children need (the largest rank
+    + 1); ``picks`` [last - first + 1]: each child's column in the parents' flattened top-k
+    (parent index * top + rank)."""
+
+    parents: tuple[tuple[int, int], ...]
+    top: int
+    picks: torch.Tensor
+    first: int
+    last: int
+
+    @classmethod
+    def of(cls, tree: DraftTree, children: list[list[int]], depth: int, device: torch.device | str) -> _Proposal:
+        parents = [n for n in tree.nodes_at_depth(depth) if children[n]]
+        kids = [(i, kid) for i, node in enumerate(parents) for kid in children[node]]
+        top = max(tree.ranks[kid] for _, kid in kids) + 1
+        picks = torch.tensor([i * top + tree.ranks[kid] for i, kid in kids], dtype=torch.int64, device=device)
+        assert [kid for _, kid in kids] == tree.nodes_at_depth(depth + 1)  # breadth-first: contiguous
+        return cls(tuple((n, len(children[n])) for n in parents), top, picks, kids[0][1], kids[-1][1])
