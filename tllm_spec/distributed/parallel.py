@@ -7,6 +7,7 @@ traces under torch.compile and is captured into CUDA graphs with NCCL.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class TensorParallel:
                 raise ValueError(f"tensor_parallel_size={size} but this process was started with WORLD_SIZE="
                                  f"{world}; launch with torchrun --nproc-per-node {size}")
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            atexit.register(_destroy_process_group)  # ours to close: see there
         if dist.get_world_size() != size:
             raise ValueError(f"tensor_parallel_size={size} but the torch.distributed world has "
                              f"{dist.get_world_size()} ranks; launch with torchrun --nproc-per-node {size}")
@@ -61,6 +63,14 @@ class TensorParallel:
     def padded_vocab(self, vocab_size: int) -> int:
         """Rows per rank of the vocabulary-parallel lm_head (the last rank's tail is zero padding)."""
         return -(-vocab_size // self.size)
+
+
+def _destroy_process_group() -> None:
+    """Close the process group this module opened, at interpreter exit. Left to the NCCL process group's
+    destructor, a finished torchrun rank hung in teardown on 2 H200s (the benchmark had written its results;
+    torchrun's timeout killed it minutes later)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_process_device(device: torch.device) -> torch.device:
