@@ -11,6 +11,7 @@ import torch
 from tllm_spec.drafts.base import strict_acceptance
 from tllm_spec.drafts.tree import DraftTree
 from tllm_spec.drafts.tree_verify import compact_path_kv, forced_tree_path, path_rows, tree_greedy_accept
+from tllm_spec.kernels.move_rows import cache_table
 
 TREES = {
     "chain3": [[0], [0, 0], [0, 0, 0]],
@@ -140,7 +141,7 @@ def test_compacting_moves_the_accepted_path_into_place():
     op_k, op_v = k_cache.clone(), v_cache.clone()
     compact_path_kv(k_cache, v_cache, block_tables, slots, base, path, num_accepted)
     src, dst = path_rows(block_tables, slots, base, path, num_accepted, page_size)
-    torch.ops.tllm_spec.move_rows(op_k, op_v, src, dst)
+    torch.ops.tllm_spec.move_cache_rows([op_k, op_v], cache_table([op_k, op_v]), src, dst, path.shape[1])
     assert torch.equal(op_k, k_cache) and torch.equal(op_v, v_cache)  # the op the compiled step calls
 
     def row(cache, slot, position):

@@ -9,6 +9,7 @@ import torch
 from tllm_spec import kernels
 from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import kv_write as kv_write_module
+from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
 from tllm_spec.kernels import rotary as rotary_module
@@ -152,6 +153,27 @@ def _rotary_skinny_case(rows: int, num_heads: int, num_kv_heads: int, head_dim: 
     torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=1e-2)
 
 
+def _move_rows_case(width: int, num_requests: int, row_shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Accepted tree paths moved in three caches at once: each request's path (node indices rising, none below
+    its depth, so one row's destination is often another's source) to base + j for its accepted j, the rest
+    written onto themselves; rows wider than a program's columns (1 x 1100: two column tiles)."""
+    g = torch.Generator().manual_seed(width * 11 + num_requests)
+    caches = [torch.randn(12, 4, *row_shape, generator=g).to(dtype) for _ in range(3)]
+    src, dst = [], []
+    for r in range(num_requests):
+        base = r * 12
+        path = [0] + sorted((torch.randperm(10, generator=g)[:width - 1] + 1).tolist())  # rising, path[j] >= j
+        accepted = int(torch.randint(1, width + 1, (1,), generator=g))
+        src += [base + n for n in path]
+        dst += [base + j if j < accepted else base + n for j, n in enumerate(path)]
+    src, dst = torch.tensor(src), torch.tensor(dst)
+    expected = [c.clone() for c in caches]
+    move_rows_module.move_rows_ref(expected, None, src, dst, width)
+    move_rows_module.move_rows(caches, move_rows_module.cache_table(caches), src, dst, width)
+    for out, ref in zip(caches, expected):
+        assert torch.equal(out, ref)
+
+
 def _rms_norm_case(rows: int, width: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(rows + width)
     x = torch.randn(rows, width + 3, generator=g).to(dtype)[:, 3:]  # strided rows
@@ -233,6 +255,10 @@ def main() -> None:
     for rows, (num_heads, num_kv_heads, head_dim), bias in rotary:
         _rotary_skinny_case(rows, num_heads, num_kv_heads, head_dim, bias, (16, 64, 4, 2))
         print(f"ok rotary skinny_linear rows={rows} heads={num_heads}/{num_kv_heads} d={head_dim} bias={bias}")
+    for width, requests, row_shape, dtype in itertools.product([3, 8], [1, 3], [(2, 16), (1, 1100)],
+                                                               [torch.float16, torch.float32]):
+        _move_rows_case(width, requests, row_shape, dtype)
+        print(f"ok move_rows width={width} requests={requests} row={row_shape} {dtype}")
     for rows, width, dtype in itertools.product([1, 4], [100, 4096], [torch.float16, torch.bfloat16]):
         _rms_norm_case(rows, width, dtype)
         print(f"ok rms_norm rows={rows} width={width} {dtype}")

@@ -9,12 +9,13 @@ strict acceptance.
 
 Tree tokens are written to the cache at rows base + node index (nodes of one depth share a RoPE position,
 base + depth, but not a row); after acceptance the path's rows are moved to base + depth
-(:func:`path_rows`, :func:`move_rows`), so the committed cache is what a chain would have left.
+(:func:`path_rows`, :mod:`..kernels.move_rows`), so the committed cache is what a chain would have left.
 """
 from __future__ import annotations
 
 import torch
 
+from ..kernels.move_rows import move_rows_ref
 from ..sampling import rng
 from .tree import DraftTree, TreeTensors
 
@@ -78,26 +79,13 @@ def path_rows(block_tables: torch.Tensor, slots: torch.Tensor, base: torch.Tenso
     return flat(src).flatten(), flat(dst).flatten()
 
 
-def move_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """In one layer's paged caches [num_pages, page_size, Hkv, D], row src[i] to row dst[i] (flat rows). A path
-    node's index is never below its depth, so no row is read after it was written (one gather, then one scatter
-    per cache)."""
-    for cache in (k_cache, v_cache):
-        flat_cache = cache.view(-1, *cache.shape[2:])
-        flat_cache.index_copy_(0, dst, flat_cache.index_select(0, src))
-
-
-# Under torch.compile the move is a custom op that mutates the caches in place (traced, a write into a view of a
-# graph input may be functionalised into a copy of the whole cache)
-torch.library.custom_op("tllm_spec::move_rows", move_rows, mutates_args=("k_cache", "v_cache"))
-
-
 def compact_path_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor,
                     base: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-    """Move the accepted path's K/V rows into place in one layer's paged cache (:func:`path_rows`,
-    :func:`move_rows`; a step computes the rows once for all its layers)."""
+    """Move the accepted path's K/V rows into place in one layer's paged cache (:func:`path_rows`, then
+    :func:`..kernels.move_rows.move_rows_ref`; a step computes the rows once and moves every layer's in one
+    launch)."""
     src, dst = path_rows(block_tables, slots, base, path, num_accepted, k_cache.shape[1])
-    move_rows(k_cache, v_cache, src, dst)
+    move_rows_ref([k_cache, v_cache], None, src, dst, path.shape[1])
 
 
 def tree_rejection_sample(tree: DraftTree | TreeTensors, target_probs: torch.Tensor, draft_probs: torch.Tensor,

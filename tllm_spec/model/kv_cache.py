@@ -6,6 +6,7 @@ import math
 import torch
 
 from ..kernels.kv_write import flat_slot_index
+from ..kernels.move_rows import cache_table
 
 SCRATCH_PAGE = 0  # never handed out: unused block-table entries (and padding rows) point here
 
@@ -26,6 +27,11 @@ class KVCache:
         self.max_pages_per_request = math.ceil(max_tokens_per_request / page_size)
         self.k = [torch.zeros(num_pages, page_size, h, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.v = [torch.zeros_like(k) for k in self.k]
+        groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for cache in self.k + self.v:
+            groups.setdefault(tuple(cache.shape[2:]), []).append(cache)
+        # every K and V cache, grouped by row shape, with their device address table (kernels.move_rows)
+        self.row_groups = [(caches, cache_table(caches)) for caches in groups.values()]
         # one extra row, never allocated: the slot of CUDA-graph padding rows (all scratch)
         self.block_tables = torch.full((max_requests + 1, self.max_pages_per_request), SCRATCH_PAGE,
                                        dtype=torch.int32, device=device)

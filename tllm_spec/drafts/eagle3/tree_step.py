@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ...kernels.move_rows import move_rows, move_rows_op
 from ...model.attention import AttentionMetadata
 from ...model.kv_cache import KVCache
 from ...sampling import rng, sampler
@@ -31,7 +32,7 @@ from ...sampling.rejection import full_vocab_probs
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
 from ..tree import DraftTree, TreeTensors, parent_rows, tree_children
-from ..tree_verify import forced_tree_path, move_rows, path_rows, tree_greedy_accept, tree_rejection_sample
+from ..tree_verify import forced_tree_path, path_rows, tree_greedy_accept, tree_rejection_sample
 
 if TYPE_CHECKING:
     from ...guided.decoder import GuidedDecoder
@@ -141,9 +142,9 @@ class TreeStep:
         target's and the draft's). root_tokens [G] flat index of each run's root; paths [G, D+1]; num [G]."""
         slots, base = attn.token_slots[root_tokens], attn.positions[root_tokens]
         src, dst = path_rows(kv.block_tables, slots, base, paths, num_accepted, kv.page_size)  # once, all layers
-        move = torch.ops.tllm_spec.move_rows if torch.compiler.is_compiling() else move_rows
-        for k_cache, v_cache in zip(kv.k, kv.v):
-            move(k_cache, v_cache, src, dst)
+        move = move_rows_op if torch.compiler.is_compiling() else move_rows
+        for caches, table in kv.row_groups:  # one launch per cache shape (one, where the head's matches)
+            move(caches, table, src, dst, paths.shape[1])
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,
