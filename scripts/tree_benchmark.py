@@ -13,8 +13,7 @@ OUT/trees.png.
         --accepted chain:3=3.58 static:default=6.71 --out runs/trees
 
 A variant: ``chain:K`` (K drafts), ``static:default`` or ``static:JSON`` (eagle_choices), ``dynamic:TOPK:N:DEPTH``
-(refused on CUDA until tests/gpu/test_trees_gpu.py lifts ``worker.GPU_DYNAMIC_TREES_CHECKED``: a refused
-variant is reported and skipped). The table gives each step's cost against the first variant's at the same
+(a variant the engine refuses is reported and skipped). The table gives each step's cost against the first variant's at the same
 batch size (the baseline, a chain) and, among the variants given ``--accepted``, the fastest per batch size.
 """
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Draft trees on the GPU, graphed (buckets captured, steps run ahead, the step compiled whole on a fused target)
 and eager: greedy output equals plain decoding, and seeded sampled requests (rejection sampling) equal eager's.
-Dynamic trees on CUDA are refused until this file passes on a GPU (``worker.GPU_DYNAMIC_TREES_CHECKED``, lifted
-here)."""
+"""
 import pytest
 import torch
 
 from tllm_spec import Eagle3Config, SamplingParams
-from tllm_spec.drafts.eagle3 import worker
 from tllm_spec.spec_model import SpecModel
 
 from ..engine.test_run_ahead import count_steps_run_ahead
@@ -17,11 +15,6 @@ TREES = {"static": dict(max_draft_len=4, eagle_choices=[[0], [1], [2], [0, 0], [
                                                          [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]]),
          "dynamic": dict(max_draft_len=6, use_dynamic_tree=True, dynamic_tree_max_topK=4,
                          max_total_draft_tokens=24)}
-
-
-@pytest.fixture(autouse=True)
-def _trees_on_cuda(monkeypatch):
-    monkeypatch.setattr(worker, "GPU_DYNAMIC_TREES_CHECKED", True)
 
 
 def _model(tree: str | None, eager: bool, dtype=torch.float32) -> SpecModel:

@@ -16,12 +16,6 @@ from .dynamic_tree import DynamicTreeStep
 from .tree_step import TreeStep
 
 
-# Dynamic trees on CUDA wait for all of tests/gpu/test_trees_gpu.py to pass on a GPU (it lifts this to run them
-# there): on an H100 the static tree's greedy and sampled cases and the dynamic tree's greedy case passed (at
-# b5e0bd6; since then the KV move's rows are computed outside its custom op, once per step); the dynamic tree's
-# sampled and bf16 cases have not run yet.
-GPU_DYNAMIC_TREES_CHECKED = False
-
 
 class Eagle3OneModelWorker(SpecWorkerBase):
     """The EAGLE-3 part of the one-model step.
@@ -208,9 +202,6 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
     tree = cfg.draft_tree if cfg.is_spec_dec_tree else None
     if cfg.use_dynamic_tree:
         tree = DynamicTreeStep(cfg.max_draft_len, cfg.dynamic_tree_max_topK, cfg.max_total_draft_tokens)
-    if cfg.use_dynamic_tree and target.lm_head.weight.is_cuda and not GPU_DYNAMIC_TREES_CHECKED:
-        raise ValueError("dynamic draft trees run on the CPU for now: their sampled step has not been checked on a "
-                         "GPU yet (greedy has); static trees (eagle_choices) run on the GPU")
     if isinstance(tree, DraftTree):
         tree.tensors().relative_masks()  # a tree too big for the attention mask is refused here
     ckpt = load_eagle3_checkpoint(cfg.speculative_model, target_hidden_size=target.hidden_size,
