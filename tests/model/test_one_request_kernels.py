@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.eagle3 import model as eagle3_module
 from tllm_spec.kernels.rms_norm import rms_norm_op
-from tllm_spec.kernels.skinny_linear import skinny_linear_op
+from tllm_spec.kernels.skinny_linear import MAX_ROWS, skinny_linear_op
 from tllm_spec.model import layers
 from tllm_spec.spec_model import SpecModel
 
@@ -88,7 +88,8 @@ def test_the_rule_takes_only_single_request_steps_in_half_precision_on_cuda():
     assert not layers.one_request_kernels(tensor(2), meta(1))
     assert not layers.one_request_kernels(tensor(4, torch.float32), meta(4))  # fp32 keeps the stock ops
     assert not layers.one_request_kernels(tensor(4, cuda=False), meta(4))
-    assert not layers.one_request_kernels(tensor(17), meta(17))  # more rows than the kernel takes
+    assert layers.one_request_kernels(tensor(26), meta(26))  # one request's default draft tree
+    assert not layers.one_request_kernels(tensor(MAX_ROWS + 1), meta(MAX_ROWS + 1))  # more rows than the kernel takes
     assert not layers.one_request_kernels(tensor(3), meta(4, context_lens=(3,)))  # a prompt
 
 
