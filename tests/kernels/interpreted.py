@@ -68,7 +68,7 @@ def _split_cases() -> None:
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
     for fused, splits in itertools.product([False, True], [1, 2]):  # 26 tokens x 4 heads: the wide tile
-        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=40, tree=True)
+        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True)  # up to 640 keys: 2 chunks
         print(f"ok wide tree paged_attention tile={attention_module.attention_tile(128)} fused_write={fused} "
               f"splits={splits}")
     for query_len, window in itertools.product([1, 3], [0, 9]):

@@ -66,7 +66,8 @@ class TensorParallel:
 
 
 def _destroy_process_group() -> None:
-    """Close the process group this module opened, at interpreter exit. Left to the NCCL process group's
+    """Close the default process group at interpreter exit (registered only where :meth:`TensorParallel.setup`
+    opened it; a caller's own group is the caller's to close). Left to the NCCL process group's
     destructor, a finished torchrun rank hung in teardown on 2 H200s (the benchmark had written its results;
     torchrun's timeout killed it minutes later)."""
     if dist.is_initialized():

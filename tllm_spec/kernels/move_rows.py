@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 
-COLUMNS = 1024  # elements of a row a program holds per load (a tile of at most 8 rows x 1024 in registers)
+TILE_ELEMENTS = 8192  # a program's rows x columns per load (8 path rows x 1024, 64 rows x 128, ...)
 
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
@@ -47,10 +47,11 @@ def move_rows(caches: list[torch.Tensor], table: torch.Tensor, src: torch.Tensor
     first = caches[0]
     assert all(c.shape == first.shape and c.dtype == first.dtype and c.is_contiguous() for c in caches)
     assert table.shape == (len(caches),) and src.shape == dst.shape and src.numel() % width == 0
-    row = first[0, 0].numel()
+    row, width_pad = first[0, 0].numel(), triton.next_power_of_2(width)
+    columns = min(max(TILE_ELEMENTS // width_pad, 16), triton.next_power_of_2(row))
     _move_rows_kernel[(len(caches), src.numel() // width)](
-        table, src, dst, ROW=row, COLUMNS=min(COLUMNS, triton.next_power_of_2(row)), WIDTH=width,
-        WIDTH_PAD=triton.next_power_of_2(width), DTYPE=_TRITON_DTYPES[first.dtype], num_warps=4)
+        table, src, dst, ROW=row, COLUMNS=columns, WIDTH=width, WIDTH_PAD=width_pad,
+        DTYPE=_TRITON_DTYPES[first.dtype], num_warps=4)
 
 
 # Under torch.compile the move is a custom op that mutates the caches in place (traced, a write into a view of a

@@ -29,7 +29,7 @@ def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: tor
     """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
     product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape); ``rope`` (cos, sin)
     [N, 1, D]: the first ``rotary_cols`` features rotated per head of D. On CUDA through the skinny-GEMM op: a
-    decoding step's few rows (<= 16, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
+    decoding step's few rows (<= 32, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
     and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
     so one compiled graph serves both); elsewhere the same stock ops (the op's reference)."""
     cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)

@@ -114,7 +114,11 @@ def paged_run(shape: VerifyShape, inputs: VerifyInputs, num_splits: int | None,
               tile: tuple[int, int] | None = None) -> Run:
     """Our kernel; ``num_splits`` 1 = unsplit, None = its automatic split-KV choice; ``tile`` (keys per iteration,
     warps), None = its own choice."""
-    kwargs = {} if tile is None else {"tile": tile}
+    kwargs = {}
+    if tile is not None:
+        if "tile" not in inspect.signature(paged_attention).parameters:
+            raise Unavailable("paged_attention has no tile keyword in this tree")
+        kwargs["tile"] = tile
     if "num_splits" in inspect.signature(paged_attention).parameters:
         kwargs["num_splits"] = num_splits
     elif num_splits != 1:
