@@ -59,11 +59,10 @@ class TreeStep:
         rows = self.host_prob_rows
         self.num_parents = max(rows) + 1
         children = tree_children(self.tree.parents)
-        # per depth from 1: the nodes with children (one head pass each), as a list and on the device
-        self.frontiers = [(nodes, torch.tensor(nodes, device=device)) for nodes in
-                          ([n for n in self.tree.nodes_at_depth(d) if children[n]]
-                           for d in range(1, self.tree.max_depth))]
         self.proposals = [_Proposal.of(self.tree, children, depth, device) for depth in range(self.tree.max_depth)]
+        # per depth from 1: the nodes with children (that depth's parents; one head pass each), listed and on the device
+        self.frontiers = [(nodes, torch.tensor(nodes, device=device)) for nodes in
+                          ([node for node, _ in plan.parents] for plan in self.proposals[1:])]
         return self
 
     @property
