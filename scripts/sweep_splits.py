@@ -3,10 +3,13 @@ time per call and its share of the bandwidth, beside the automatic choice; with 
 
     python scripts/sweep_splits.py --contexts 2048 8192 32768 --batches 1 8
     python scripts/sweep_splits.py --query-len 26 --contexts 256 2048 --batches 1 --splits 1 --tiles auto 128x4 64x8
+    python scripts/sweep_splits.py --query-len 32 --contexts 256 2048 --batches 1 8 --splits 1 \
+        --program-rows 16 32 128 --tree
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
@@ -28,6 +31,9 @@ def main() -> None:
     p.add_argument("--query-len", type=int, default=4, help="query tokens per request (26: the default tree)")
     p.add_argument("--tiles", nargs="+", default=["auto"],
                    help="program tiles, KEYSxWARPS (e.g. 64x8), or 'auto' (the kernel's own choice)")
+    p.add_argument("--program-rows", type=int, nargs="+", default=[0],
+                   help="query rows per program at most (a wider run is cut into row blocks); 0: the kernel's own")
+    p.add_argument("--tree", action="store_true", help="through the draft-tree path (a mask that hides nothing)")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="bytes/s the fractions are taken of")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -36,15 +42,16 @@ def main() -> None:
             shape = VerifyShape(batch, context, args.query_len)
             inputs = make_inputs(shape, device, copies_for(shape))
             auto = choose_num_splits(batch * shape.num_kv_heads, shape.kv_len, _num_sms(device))
-            for tile in args.tiles:
+            for tile, rows in itertools.product(args.tiles, args.program_rows):
                 keys_warps = None if tile == "auto" else tuple(int(x) for x in tile.split("x"))
                 row = []
                 for s in [None, *args.splits]:
-                    us, _ = time_per_call_us(paged_run(shape, inputs, s, keys_warps), len(inputs.caches), device)
+                    run = paged_run(shape, inputs, s, keys_warps, rows or None, args.tree)
+                    us, _ = time_per_call_us(run, len(inputs.caches), device)
                     share = shape.kv_bytes / us / 1e-6 / args.bandwidth
                     row.append(f"{'auto=' + str(auto) if s is None else s}:{us:.1f}us/{share:.0%}")
-                print(f"batch {batch} context {context} query_len {args.query_len} tile {tile}: " + "  ".join(row),
-                      flush=True)
+                print(f"batch {batch} context {context} query_len {args.query_len} tile {tile} "
+                      f"rows {rows or 'auto'}: " + "  ".join(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for C
 
 
 def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | None, fused_write: bool,
-                num_splits: int = 1, max_pages: int = 6, tree: bool = False) -> None:
+                num_splits: int = 1, max_pages: int = 6, tree: bool = False, program_rows: int | None = None) -> None:
     g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq + num_splits)
     page, d = 4, 16
     num_pages = num_runs * max_pages + 6
@@ -40,11 +40,11 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
     tree_mask = torch.randint(0, 2 ** 62, (len(q),), generator=g) | 1 if tree else None
     if fused_write:
         out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, new_kv=new_kv,
-                                               num_splits=num_splits, tree_mask=tree_mask)
+                                               num_splits=num_splits, tree_mask=tree_mask, program_rows=program_rows)
     else:
         kv_write_module.kv_write(*new_kv, *caches[0], block_tables, slots, positions)
         out = attention_module.paged_attention(q, *caches[0], *args, query_len=query_len, num_splits=num_splits,
-                                               tree_mask=tree_mask)
+                                               tree_mask=tree_mask, program_rows=program_rows)
     kv_write_module.kv_write_ref(*new_kv, *caches[1], block_tables, slots, positions)
     ref = attention_module.paged_attention_ref(q, *caches[1], *args, tree_mask=tree_mask)
     torch.testing.assert_close(caches[0][0], caches[1][0], rtol=0, atol=0)
@@ -63,14 +63,15 @@ def _split_cases() -> None:
             print(f"ok split paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} "
                   f"window={window} fused_write={fused} splits={splits}")
         for query_len, fused, splits in itertools.product([1, 8, 25], [False, True], [1, 3]):  # a verify step's tree
-            _paged_case(query_len, 2, 4, 2, None, fused, splits, max_pages=40, tree=True)
+            _paged_case(query_len, 2, 4, 2, None, fused, splits, max_pages=40, tree=True)  # 25 x 2 rows: 2 blocks
             print(f"ok tree paged_attention query_len={query_len} fused_write={fused} splits={splits}")
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
-    for fused, splits in itertools.product([False, True], [1, 2]):  # 26 tokens x 4 heads: the wide tile
-        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True)  # up to 640 keys: 2 chunks
-        print(f"ok wide tree paged_attention tile={attention_module.attention_tile(128)} fused_write={fused} "
-              f"splits={splits}")
+    for fused, splits, rows in itertools.product([False, True], [1, 2], [None, 128]):  # 26 tokens x 4 heads
+        # in row blocks of PROGRAM_ROWS, or all 104 rows in one program (the wide tile); up to 640 keys: 2 chunks
+        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True, program_rows=rows)
+        tile = attention_module.attention_tile(min(rows or attention_module.PROGRAM_ROWS, 128))
+        print(f"ok wide tree paged_attention tile={tile} rows={rows} fused_write={fused} splits={splits}")
     for query_len, window in itertools.product([1, 3], [0, 9]):
         _merge_case(query_len, window)
         print(f"ok merge_splits query_len={query_len} window={window}")
@@ -80,8 +81,9 @@ def _merge_case(query_len: int, window: int) -> None:
     """The merge kernel against its reference on random partials: splits a run does not use hold garbage, and
     rows that saw no key in a split carry (-inf, 0)."""
     g = torch.Generator().manual_seed(query_len + window)
-    num_splits, num_tokens, hq, d, block = 4, 5 * query_len, 6, 16, 16
-    positions = torch.randint(0, 90, (num_tokens // query_len,), generator=g).repeat_interleave(query_len)
+    num_splits, num_tokens, hq, d = 4, 5 * query_len, 6, 16
+    block = 4 if window else 16  # a window leaves a run few keys: small chunks still split it
+    positions = torch.randint(0, 200, (num_tokens // query_len,), generator=g).repeat_interleave(query_len)
     positions += torch.arange(query_len).repeat(num_tokens // query_len)
     positions[:query_len] -= positions[0] - 2  # a run of one chunk: finished by its first split
     part_acc = torch.randn(num_splits, num_tokens, hq, d, generator=g)

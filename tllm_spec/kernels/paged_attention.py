@@ -30,6 +30,7 @@ NUM_STAGES = 3  # key blocks in flight per program (software pipelining of the k
 NUM_WARPS = 4
 WIDE_ROWS = 64  # from this many query rows a program (a draft tree's run) takes WIDE_TILE
 WIDE_TILE = (64, 8)  # (keys per iteration, warps): its score and output tiles stay in registers
+PROGRAM_ROWS = 32  # query rows per program at most: a wider run (a draft tree's) is cut into row blocks
 PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
 PREFETCH_BLOCKS = 2  # key blocks whose cached K/V a dependent launch asks L2 for before its wait
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
@@ -102,7 +103,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sliding_window: int | None = None, query_len: int = 1,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     num_splits: int | None = None, tree_mask: torch.Tensor | None = None,
-                    tile: tuple[int, int] | None = None) -> torch.Tensor:
+                    tile: tuple[int, int] | None = None, program_rows: int | None = None) -> torch.Tensor:
     """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference.
 
     ``query_len``: consecutive query tokens that belong to one request (K+1 in a verify step, 1 in a draft
@@ -113,6 +114,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``num_splits``: KV splits per run (None: :func:`choose_num_splits`; 1: the unsplit kernel).
     ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
     ``tile``: (keys per iteration, warps) of a program (None: :func:`attention_tile`; for benchmarks).
+    ``program_rows``: query rows per program at most (None: PROGRAM_ROWS; for benchmarks). A run of more rows
+    (query_len x the query heads of a KV head) is served by several programs, one per block of rows, each
+    reading the run's keys (from L2 after the first): more programs in flight, smaller tiles.
     """
     if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
@@ -131,22 +135,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert new_kv is None or (k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
                               and k_new.stride(2) == v_new.stride(2) == 1)
     num_runs = triton.cdiv(num_tokens, query_len)
+    rows_pad = min(max(16, triton.next_power_of_2(group * query_len)), program_rows or PROGRAM_ROWS)
+    row_blocks = triton.cdiv(group * query_len, rows_pad)
     if num_splits is None:
-        num_splits = choose_num_splits(num_runs * num_kv_heads, max_kv_len, _num_sms(q.device))
+        num_splits = choose_num_splits(num_runs * row_blocks * num_kv_heads, max_kv_len, _num_sms(q.device))
     assert 1 <= num_splits <= MAX_SPLITS
     # partial (acc, max, sum) per split; never read where a run's keys fit one chunk
     part_acc = q.new_empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32)
     part_ml = q.new_empty((num_splits, num_tokens, num_q_heads, 2), dtype=torch.float32)
     assert tree_mask is None or (tree_mask.shape == (num_tokens,) and tree_mask.dtype == torch.int64)
     pdl = dependent_launch.launches_dependent(q)
-    rows_pad = max(16, triton.next_power_of_2(group * query_len))
     block_n, num_warps = tile or attention_tile(rows_pad)
-    _paged_attention_kernel[(num_runs, num_kv_heads, num_splits)](
+    _paged_attention_kernel[(num_runs * row_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, token_slots, positions, positions if tree_mask is None else tree_mask,
         tree_mask is not None, out, part_acc, part_ml, scale, num_tokens,
         q.stride(0), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits,
-        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len, ROWS_PAD=rows_pad,
+        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
+        QUERY_LEN_PAD=triton.next_power_of_2(query_len), ROWS_PAD=rows_pad, ROW_BLOCKS=row_blocks,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
         MIN_CHUNK=MIN_KEYS_PER_SPLIT, NUM_STAGES=NUM_STAGES,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
@@ -188,7 +194,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 if triton is not None:
-    from .attention_merge import split_bounds, split_chunk
+    from .attention_merge import split_bounds, split_chunk, split_stop
     from .dependent_launch import prefetch_l2, wait_and_release
 
     TREE_WINDOW_C = tl.constexpr(TREE_WINDOW)  # the kernel reads globals only as constexprs
@@ -199,23 +205,26 @@ if triton is not None:
                                 part_acc_ptr, part_ml_ptr, scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr,
                                 kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride,
                                 bt_rows, window, num_splits, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                                GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, ROWS_PAD: tl.constexpr,
-                                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                                GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, QUERY_LEN_PAD: tl.constexpr,
+                                ROWS_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                                 MIN_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
                                 DOT_PRECISION: tl.constexpr,
                                 PDL: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
-        """One program per (run of QUERY_LEN query tokens of one request, KV head, KV split). Its rows are the
-        QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP, head r % GROUP), each with
-        its own causal bound; online softmax over the key blocks of its split (:func:`split_bounds`: the
-        run's keys up to its last position, in equal chunks of whole blocks). With WRITE it first stores the
-        run's new K/V rows of its KV head whose positions fall in its split (nobody else reads them in this
-        launch). A run whose keys fit one chunk is finished here; otherwise each used split leaves its partial
-        (acc, max, sum) for :func:`merge_splits`. PDL (:mod:`.dependent_launch`): while the kernel before runs,
-        the program asks L2 for the cached K/V of its split's first PREFETCH_BLOCKS key blocks (addresses from
-        the step's positions and block table, which that kernel does not write; a prefetch only warms L2, so it
-        cannot change a result). TREE: each row also obeys its token's draft-tree mask (:func:`tree_visible`:
-        bit j lets it see the key j positions below its own, for j < TREE_WINDOW)."""
-        first = tl.program_id(0) * QUERY_LEN
+        """One program per (run of QUERY_LEN query tokens of one request and block of its rows, KV head, KV
+        split). A run's rows are the QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP,
+        head r % GROUP), cut into ROW_BLOCKS blocks of ROWS_PAD (one block but for a draft tree's run), each
+        row with its own causal bound; online softmax over the key blocks of its split (:func:`split_bounds`: the
+        run's keys up to its last position, in equal chunks of whole blocks, the last used one with the
+        remainder). With WRITE it first stores the run's new K/V rows of its KV head whose positions fall in its
+        split (no program of another split reads them in this launch; the run's other row blocks store the same
+        values before they read them). A run whose keys fit one chunk is finished here; otherwise each used split
+        leaves its partial (acc, max, sum) for :func:`merge_splits`. PDL (:mod:`.dependent_launch`): while the
+        kernel before runs, the program asks L2 for the cached K/V of its split's first PREFETCH_BLOCKS key
+        blocks (addresses from the step's positions and block table, which that kernel does not write; a
+        prefetch only warms L2, so it cannot change a result). TREE: each row also obeys its token's draft-tree
+        mask (:func:`tree_visible`: bit j lets it see the key j positions below its own, for j < TREE_WINDOW)."""
+        first = tl.program_id(0) // ROW_BLOCKS * QUERY_LEN
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         if PDL:
@@ -224,15 +233,21 @@ if triton is not None:
                              kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
                              HEAD_DIM_PAD, BLOCK_N, num_splits, MIN_CHUNK, PREFETCH_BLOCKS, KV_LINE)
             wait_and_release()
-        rows = tl.arange(0, ROWS_PAD)
+        rows = tl.program_id(0) % ROW_BLOCKS * ROWS_PAD + tl.arange(0, ROWS_PAD)
         token = first + rows // GROUP
         row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)
         pos = tl.load(positions_ptr + token, mask=row_ok, other=-1).to(tl.int64)  # [ROWS_PAD]
         if TREE:
             tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=-1)  # [ROWS_PAD] int64
-        lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
+        if ROW_BLOCKS == 1:  # the rows hold every token of the run
+            lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
+        else:  # the split geometry is the whole run's (every row block and the merge agree on it)
+            run_token = first + tl.arange(0, QUERY_LEN_PAD)
+            run_ok = (tl.arange(0, QUERY_LEN_PAD) < QUERY_LEN) & (run_token < num_tokens)
+            run_pos = tl.load(positions_ptr + run_token, mask=run_ok, other=-1).to(tl.int64)
+            lo, last, chunk, num_used = split_bounds(run_pos, run_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
         start = lo + split * chunk
-        stop = tl.minimum(start + chunk, last + 1)  # this split's keys: [start, stop)
+        stop = split_stop(start, chunk, last, split, num_used)  # this split's keys: [start, stop)
         if WRITE:
             _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
                        num_tokens, kv_head, start, stop, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h,

@@ -111,14 +111,18 @@ def xqa_causal_mask(batch: int, query_len: int, device: torch.device | str) -> t
 
 
 def paged_run(shape: VerifyShape, inputs: VerifyInputs, num_splits: int | None,
-              tile: tuple[int, int] | None = None) -> Run:
+              tile: tuple[int, int] | None = None, program_rows: int | None = None, tree: bool = False) -> Run:
     """Our kernel; ``num_splits`` 1 = unsplit, None = its automatic split-KV choice; ``tile`` (keys per iteration,
-    warps), None = its own choice."""
+    warps) and ``program_rows`` (query rows per program at most), None = its own choice; ``tree``: through the
+    draft-tree path, with a mask that hides nothing (a tree's cost, a chain's result)."""
     kwargs = {}
-    if tile is not None:
-        if "tile" not in inspect.signature(paged_attention).parameters:
-            raise Unavailable("paged_attention has no tile keyword in this tree")
-        kwargs["tile"] = tile
+    if tree:
+        kwargs["tree_mask"] = torch.full_like(inputs.positions, (1 << 62) - 1)
+    for name, value in (("tile", tile), ("program_rows", program_rows)):
+        if value is not None:
+            if name not in inspect.signature(paged_attention).parameters:
+                raise Unavailable(f"paged_attention has no {name} keyword in this tree")
+            kwargs[name] = value
     if "num_splits" in inspect.signature(paged_attention).parameters:
         kwargs["num_splits"] = num_splits
     elif num_splits != 1:
