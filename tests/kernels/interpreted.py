@@ -67,10 +67,11 @@ def _split_cases() -> None:
             print(f"ok tree paged_attention query_len={query_len} fused_write={fused} splits={splits}")
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
-    for fused, splits, rows in itertools.product([False, True], [1, 2], [None, 128]):  # 26 tokens x 4 heads
-        # in row blocks of PROGRAM_ROWS, or all 104 rows in one program (the wide tile); up to 640 keys: 2 chunks
+    for fused, splits, rows in itertools.product([False, True], [1, 2], [16, None, 128]):  # 26 tokens x 4 heads
+        # in row blocks (of 16, of the kernel's choice: 32 here), or all 104 rows in one program (the wide tile);
+        # up to 640 keys: 2 chunks
         _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True, program_rows=rows)
-        tile = attention_module.attention_tile(min(rows or attention_module.PROGRAM_ROWS, 128))
+        tile = attention_module.attention_tile(min(rows or 32, 128))
         print(f"ok wide tree paged_attention tile={tile} rows={rows} fused_write={fused} splits={splits}")
     for query_len, window in itertools.product([1, 3], [0, 9]):
         _merge_case(query_len, window)

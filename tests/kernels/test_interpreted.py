@@ -21,6 +21,7 @@ def test_kernels_match_references_under_the_interpreter():
     assert result.stdout.count("ok tree paged_attention") == 12
     assert result.stdout.count("ok wide tree paged_attention tile=(64, 8) rows=128") == 4
     assert result.stdout.count("ok wide tree paged_attention tile=(128, 4) rows=None") == 4
+    assert result.stdout.count("ok wide tree paged_attention tile=(128, 4) rows=16") == 4
     assert result.stdout.count("ok skinny_linear") == 48 and result.stdout.count("ok epilogue skinny_linear") == 32
     assert result.stdout.count("ok rotary skinny_linear") == 16
     assert result.stdout.count("ok rms_norm") == 8 and result.stdout.count("ok move_rows") == 16

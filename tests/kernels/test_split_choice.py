@@ -1,5 +1,9 @@
-"""How many KV splits the attention launcher picks (a host decision, fixed per step or captured graph)."""
-from tllm_spec.kernels.paged_attention import MAX_SPLITS, choose_num_splits
+"""How many KV splits, and how many query rows per program, the attention launcher picks (host decisions, fixed
+per step or captured graph)."""
+import torch
+
+from tllm_spec.kernels.attention_merge import split_geometry_ref
+from tllm_spec.kernels.paged_attention import MAX_SPLITS, choose_num_splits, choose_program_rows
 
 
 def test_runs_that_fill_the_gpu_are_not_split():
@@ -24,3 +28,19 @@ def test_splits_fill_one_wave_of_programs_not_two():
     # batch 8 x 8 KV heads on 132 SMs: 4 splits are 256 programs (one wave of two per SM); 5 would be 320
     assert choose_num_splits(num_programs=64, max_kv_len=8192, num_sms=132) == 4
     assert choose_num_splits(num_programs=64, max_kv_len=2048, num_sms=132) == 4
+
+
+def test_a_tree_run_takes_small_row_blocks_while_they_fit_one_wave():
+    # a 32-token tree x 4 query heads = 128 rows a (request, KV head): batch 1 (8 pairs) in blocks of 16 rows
+    # (64 programs); batch 8 (64 pairs) in blocks of 32 (256 programs: 16-row blocks would make 512)
+    assert choose_program_rows(run_rows=128, num_programs=8, num_sms=132) == 16
+    assert choose_program_rows(run_rows=128, num_programs=64, num_sms=132) == 32
+    assert choose_program_rows(run_rows=128, num_programs=512, num_sms=132) == 32
+    assert choose_program_rows(run_rows=16, num_programs=512, num_sms=132) == 16  # a chain: one block either way
+
+
+def test_the_last_split_takes_the_remainder():
+    # chunks of 256 keys (4 splits asked, at least 256 keys a chunk): 300 keys are one chunk, not 256 + 44
+    positions = torch.tensor([299, 511, 766, 1000])  # 300, 512, 767 and 1,001 keys
+    _, chunk, used = split_geometry_ref(positions, 1, 0, 4, 256, 128)
+    assert chunk.tolist() == [256, 256, 256, 256] and used.tolist() == [1, 2, 2, 3]

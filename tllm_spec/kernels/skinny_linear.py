@@ -46,11 +46,12 @@ def padded_rows(rows: int) -> int:
 def tile_config(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight, from ``scripts/bench_skinny_linear.py``
     on an H200 (Llama-3.1-8B shapes, 1 and 4 rows): few output features (o, down, the EAGLE-3 fc) want long K
-    tiles, many (gate/up, lm_heads) short ones. The 32-row tile (17 to 32 rows) keeps the same tiles, not swept
-    again: measured on an H100 at 26 and 32 rows with these tiles, `docs/benchmarks/h100-trees/`; its long-K tile
-    keeps three stages in flight, not four (four of x and weight tiles would not fit an H100's shared memory)."""
+    tiles, many (gate/up, lm_heads) short ones. The 32-row tile (17 to 32 rows), swept on an H200 at 32 rows
+    (`docs/benchmarks/h200-trees/skinny32.json`), keeps the many-feature tiles; with few features it reads K in
+    256-wide tiles six stages deep (down 3641 GB/s, where 512-wide tiles three deep, all of those that fit
+    shared memory, read 3381)."""
     if n <= 4096:
-        return (32, 512, 4, 4) if padded_rows(rows) == 16 else (32, 512, 4, 3)
+        return (32, 512, 4, 4) if padded_rows(rows) == 16 else (32, 256, 4, 6)
     if n >= 16384:
         return 64, 128, 4, 3
     return 64, 256, 4, 4

@@ -32,6 +32,7 @@ from ...kernels.paged_attention import TREE_WINDOW
 from ...model.attention import AttentionMetadata
 from ...sampling import rng, sampler
 from ...sampling.rejection import full_vocab_probs
+from ...sampling.small_topk import small_topk
 from ..metadata import SpecMetadata
 from ..tree import TreeTensors, relative_tree_bits, tree_tensors
 from .tree_step import _SALT_CHILDREN, TreeStep
@@ -166,7 +167,7 @@ class DynamicTreeStep(TreeStep):
         requests k draws without replacement from q (their own stream per frontier row), scored by q's k
         largest log probabilities, q kept at the node's row of ``draft_probs``."""
         k = self.top_k
-        ranked_scores, ranked = logits.float().log_softmax(-1).topk(k, dim=-1)
+        ranked_scores, ranked = small_topk(logits.float().log_softmax(-1), k)
         if draft_probs is None:
             return ranked, ranked_scores
         num, width, vocab = logits.shape
@@ -181,7 +182,7 @@ class DynamicTreeStep(TreeStep):
                 rng.advance(seed)  # the batch stream moves on after a draw (per-request streams already have)
             gumbel[:, f] = -torch.log(-torch.log(uniform))
             draft_probs[slots, row] = full_vocab_probs(q[:, f], d2t, draft_probs.shape[-1])
-        drawn = (q.log() + gumbel).topk(k, dim=-1).indices
+        drawn = small_topk(q.log() + gumbel, k)[1]
         sampled_scores = slot_scores(q, k)
         greedy = (top_ks.view(num, width) == 1)[..., None]
         return torch.where(greedy, ranked, drawn), torch.where(greedy, ranked_scores, sampled_scores)
@@ -190,4 +191,4 @@ class DynamicTreeStep(TreeStep):
 def slot_scores(q: torch.Tensor, top_k: int) -> torch.Tensor:
     """[..., k]: the scores of a node's k child slots under distribution q [..., V], whatever tokens fill them:
     q's k largest log probabilities (the rule that keeps a sampled dynamic tree lossless)."""
-    return q.topk(top_k, dim=-1).values.log()
+    return small_topk(q, top_k)[0].log()

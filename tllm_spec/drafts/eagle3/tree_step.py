@@ -28,6 +28,7 @@ from ...model.attention import AttentionMetadata
 from ...model.kv_cache import KVCache
 from ...sampling import rng, sampler
 from ...sampling.forcing import forced_num_accepted
+from ...sampling.small_topk import small_topk
 from ...sampling.rejection import full_vocab_probs
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
@@ -170,7 +171,7 @@ class TreeStep:
             if guided is not None:
                 for i in range(logits.shape[1]):  # the depth's mask for every parent (views: masked in place)
                     guided.execute_draft_batch(logits[:, i], d2t, depth)
-            ids = logits.topk(plan.top, dim=-1).indices.flatten(1)[:, plan.picks]  # greedy: children by rank
+            ids = small_topk(logits, plan.top)[1].flatten(1)[:, plan.picks]  # greedy: children by rank
             if sampling is not None:  # a sampled request's j-th child is its j-th draw, whatever its rank
                 drawn = torch.cat([self._children(logits[:, i], count, node, d2t, *sampling)
                                    for i, (node, count) in enumerate(plan.parents)], dim=1)
@@ -209,7 +210,7 @@ class TreeStep:
         if not spec_metadata.has_request_seeds:
             rng.advance(seed)  # the batch stream moves on after a draw (per-request streams already have)
         draft_probs[slots, self.host_prob_rows[node]] = full_vocab_probs(q, d2t, draft_probs.shape[-1])
-        return (q.log() - torch.log(-torch.log(uniform))).topk(num_children, dim=-1).indices
+        return small_topk(q.log() - torch.log(-torch.log(uniform)), num_children)[1]
 
 
 @dataclass(frozen=True)
