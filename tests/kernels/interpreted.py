@@ -73,12 +73,12 @@ def _split_cases() -> None:
         _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True, program_rows=rows)
         tile = attention_module.attention_tile(min(rows or 32, 128))
         print(f"ok wide tree paged_attention tile={tile} rows={rows} fused_write={fused} splits={splits}")
-    for query_len, window, group in itertools.product([1, 3], [0, 9], [1, 3]):
-        _merge_case(query_len, window, group)
-        print(f"ok merge_splits query_len={query_len} window={window} group={group}")
+    for query_len, window in itertools.product([1, 3], [0, 9]):
+        _merge_case(query_len, window)
+        print(f"ok merge_splits query_len={query_len} window={window}")
 
 
-def _merge_case(query_len: int, window: int, group: int) -> None:
+def _merge_case(query_len: int, window: int) -> None:
     """The merge kernel against its reference on random partials: splits a run does not use hold garbage, and
     rows that saw no key in a split carry (-inf, 0)."""
     g = torch.Generator().manual_seed(query_len + window)
@@ -92,7 +92,7 @@ def _merge_case(query_len: int, window: int, group: int) -> None:
     part_ml[1, :, 0] = torch.tensor([float("-inf"), 0.0])
     outs = [torch.full((num_tokens, hq, d), 7.0) for _ in range(2)]
     args = (positions, query_len, window, block, block)
-    merge_module.merge_splits(part_acc, part_ml, *args[:1], outs[0], *args[1:], group=group)
+    merge_module.merge_splits(part_acc, part_ml, *args[:1], outs[0], *args[1:])
     merge_module.merge_splits_ref(part_acc, part_ml, *args[:1], outs[1], *args[1:])
     _, _, used = merge_module.split_geometry_ref(positions, query_len, window, num_splits, block, block)
     assert (used > 1).any() and (used == 1).any(), used  # both kinds of run

@@ -17,7 +17,7 @@ def test_kernels_match_references_under_the_interpreter():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.count("ok paged_attention") == 96
-    assert result.stdout.count("ok split paged_attention") == 64 and result.stdout.count("ok merge_splits") == 8
+    assert result.stdout.count("ok split paged_attention") == 64 and result.stdout.count("ok merge_splits") == 4
     assert result.stdout.count("ok tree paged_attention") == 12
     assert result.stdout.count("ok wide tree paged_attention tile=(64, 8) rows=128") == 4
     assert result.stdout.count("ok wide tree paged_attention tile=(128, 4) rows=None") == 4

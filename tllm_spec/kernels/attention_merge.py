@@ -61,16 +61,13 @@ def merge_splits_ref(part_acc: torch.Tensor, part_ml: torch.Tensor, positions: t
 
 
 def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
-                 query_len: int, window: int, block_n: int, min_chunk: int, pdl: bool = False,
-                 group: int = 1) -> None:
+                 query_len: int, window: int, block_n: int, min_chunk: int, pdl: bool = False) -> None:
     """Combine the used splits of every run whose keys took more than one chunk into ``out`` (shapes as in
-    :func:`merge_splits_ref`). One program per (token, ``group`` consecutive query heads: those of one KV head),
-    each head's splits in one tile; a launch where no run needs a merge is then a few programs per token."""
+    :func:`merge_splits_ref`). One program per (token, query head): its splits' partials in one tile."""
     num_splits, num_tokens, num_q_heads, head_dim = part_acc.shape
     assert part_acc.is_contiguous() and part_ml.is_contiguous() and out.is_contiguous()
-    assert num_q_heads % group == 0
-    _merge_splits_kernel[(num_tokens, num_q_heads // group)](
-        part_acc, part_ml, positions, out, num_tokens, window, num_splits, NUM_Q_HEADS=num_q_heads, GROUP=group,
+    _merge_splits_kernel[(num_tokens, num_q_heads)](
+        part_acc, part_ml, positions, out, num_tokens, window, num_splits, NUM_Q_HEADS=num_q_heads,
         QUERY_LEN=query_len, QUERY_LEN_PAD=triton.next_power_of_2(query_len), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n, SPLITS_PAD=SPLITS_PAD,
         MIN_CHUNK=min_chunk, PDL=pdl, num_warps=4,
@@ -106,13 +103,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
     def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, positions_ptr, out_ptr, num_tokens, window, num_splits,
-                             NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, QUERY_LEN: tl.constexpr,
-                             QUERY_LEN_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                             PDL: tl.constexpr):
+                             NUM_Q_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr, QUERY_LEN_PAD: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SPLITS_PAD: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
         if PDL:
             wait_and_release()
         token = tl.program_id(0)
+        head = tl.program_id(1)
         run = (token // QUERY_LEN) * QUERY_LEN + tl.arange(0, QUERY_LEN_PAD)  # the tokens of this token's run
         run_ok = (tl.arange(0, QUERY_LEN_PAD) < QUERY_LEN) & (run < num_tokens)
         pos = tl.load(positions_ptr + run, mask=run_ok, other=-1).to(tl.int64)
@@ -121,16 +118,14 @@ if triton is not None:
             splits = tl.arange(0, SPLITS_PAD)
             split_ok = splits < num_used
             dims = tl.arange(0, HEAD_DIM_PAD)
+            rows = (splits.to(tl.int64) * num_tokens + token) * NUM_Q_HEADS + head  # [SPLITS_PAD]
+            m = tl.load(part_ml_ptr + rows * 2, mask=split_ok, other=float("-inf"))
+            total = tl.load(part_ml_ptr + rows * 2 + 1, mask=split_ok, other=0.0)
+            m_max = tl.max(m, 0)
+            weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for unused splits
             tile_ok = split_ok[:, None] & (dims < HEAD_DIM)[None, :]
-            for g in tl.static_range(GROUP):
-                head = tl.program_id(1) * GROUP + g
-                rows = (splits.to(tl.int64) * num_tokens + token) * NUM_Q_HEADS + head  # [SPLITS_PAD]
-                m = tl.load(part_ml_ptr + rows * 2, mask=split_ok, other=float("-inf"))
-                total = tl.load(part_ml_ptr + rows * 2 + 1, mask=split_ok, other=0.0)
-                m_max = tl.max(m, 0)
-                weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for unused splits
-                acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_ok, other=0.0)
-                norm = tl.sum(weight * total, 0)
-                out = tl.sum(acc * weight[:, None], 0) / tl.where(norm == 0.0, 1.0, norm)
-                dst = (token.to(tl.int64) * NUM_Q_HEADS + head) * HEAD_DIM + dims
-                tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+            acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=tile_ok, other=0.0)
+            norm = tl.sum(weight * total, 0)
+            out = tl.sum(acc * weight[:, None], 0) / tl.where(norm == 0.0, 1.0, norm)
+            dst = (token.to(tl.int64) * NUM_Q_HEADS + head) * HEAD_DIM + dims
+            tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

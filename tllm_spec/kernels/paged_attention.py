@@ -161,7 +161,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         **dependent_launch.launch_options(pdl))
     if num_splits > 1:
         merge_splits(part_acc, part_ml, positions, out, query_len, sliding_window or 0, block_n,
-                     MIN_KEYS_PER_SPLIT, pdl, group)
+                     MIN_KEYS_PER_SPLIT, pdl)
     return out
 
 
