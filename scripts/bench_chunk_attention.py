@@ -8,7 +8,7 @@ Candidates (each checked against an fp32 reference on the chunk's last rows, the
   heads), in blocks of 2048 query rows: the current path;
 - ``square``: the square causal call of a whole prompt of chunk length (the speed to match; not a chunk's result);
 - ``split_<backend>``: the chunk's own keys by a square causal call and the prefix by a non-causal call, each
-  returning its log-sum-exp, merged (backend: cudnn, flash, efficient);
+  returning its log-sum-exp, merged (backend: cudnn, flash): ``tllm_spec.model.attention``'s own split path;
 - ``varlen``: torch's variable-length flash attention with different query and key lengths (bottom-right causal).
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from tllm_spec.model import attention
 
 HQ, HKV, D = 32, 8, 128
 
@@ -44,25 +46,14 @@ def square(q, k, v, prefix):
     return F.scaled_dot_product_attention(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, enable_gqa=True)
 
 
-def _with_lse(backend: str, q, k, v, causal: bool):
-    """(out [1, H, L, D], lse [1, H, L] fp32) of one call on an SDPA backend's aten op."""
-    k, v = _repeat(k), _repeat(v)
-    if backend == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
-    elif backend == "flash":
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
-    else:
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-    return res[0], res[1][:, :, :q.shape[2]].float()
-
-
 def split(backend: str):
+    """The package's split path (:func:`attention_with_lse` on ``backend``, :func:`merge_by_lse`)."""
     def run(q, k, v, prefix):
-        o1, l1 = _with_lse(backend, q, k[:, :, prefix:], v[:, :, prefix:], True)
-        o2, l2 = _with_lse(backend, q, k[:, :, :prefix], v[:, :, :prefix], False)
-        m = torch.maximum(l1, l2)
-        w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-        return ((o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]).to(q.dtype)
+        attention._LSE_BACKENDS["cuda"] = backend
+        kr, vr = _repeat(k), _repeat(v)
+        own = attention.attention_with_lse(q, kr[:, :, prefix:], vr[:, :, prefix:], True, D ** -0.5)
+        before = attention.attention_with_lse(q, kr[:, :, :prefix], vr[:, :, :prefix], False, D ** -0.5)
+        return attention.merge_by_lse(*own, *before)
     return run
 
 
@@ -96,7 +87,7 @@ def main() -> None:
     args = p.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     candidates = {"lower_right": lower_right, "square": square, "split_cudnn": split("cudnn"),
-                  "split_flash": split("flash"), "split_efficient": split("efficient"), "varlen": varlen}
+                  "split_flash": split("flash"), "varlen": varlen}
     for prefix in args.prefix:
         n = args.chunk
         q = torch.randn(1, HQ, n, D, device=dev, dtype=dt)
@@ -117,8 +108,9 @@ def main() -> None:
                 end.synchronize()
                 ms = start.elapsed_time(end) / args.iters
                 work = 4 * HQ * D * n * (n + 1) / 2 if name == "square" else flops
+                ran = f" (ran on {attention._LSE_BACKENDS['cuda']})" if name.startswith("split") else ""
                 print(f"chunk {n} after {prefix}: {name:16s} {ms:8.2f} ms {work / ms / 1e9:7.1f} TFLOP/s "
-                      f"max err {err}", flush=True)
+                      f"max err {err}{ran}", flush=True)
             except Exception as exc:  # a backend this torch or GPU lacks
                 print(f"chunk {n} after {prefix}: {name:16s} failed: {type(exc).__name__}: {str(exc)[:200]}",
                       flush=True)

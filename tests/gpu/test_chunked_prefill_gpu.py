@@ -1,5 +1,6 @@
-"""Chunked prefill on the GPU: a later chunk's attention over the cached prefix (SDPA with a lower-right causal
-bias) against the paged reference, and greedy decoding with small chunks equal to HF greedy."""
+"""Chunked prefill on the GPU: a later chunk's attention over the cached prefix (its own keys and the prefix's by
+two fused calls merged by log-sum-exp, or SDPA with a lower-right causal bias) against the paged reference, and
+greedy decoding with small chunks equal to HF greedy."""
 import pytest
 import torch
 
@@ -14,7 +15,8 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize("start,n", [(16, 40), (8190, 2049), (30000, 2800)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cached_prefix_attention_matches_reference(start, n, dtype):
+@pytest.mark.parametrize("split", [None, False])  # the default (split by log-sum-exp in bf16), the lower-right bias
+def test_cached_prefix_attention_matches_reference(start, n, dtype, split):
     torch.manual_seed(start + n)
     page, hq, hkv, d = 16, 32, 8, 128
     pages = -(-(start + n) // page)
@@ -24,7 +26,7 @@ def test_cached_prefix_attention_matches_reference(start, n, dtype):
     q = torch.randn(n, hq, d, device="cuda", dtype=dtype)
     positions = torch.arange(start, start + n, device="cuda")
     slots = torch.zeros(n, dtype=torch.int64, device="cuda")
-    out = cached_prefix_attention(q, k_cache, v_cache, block_table, start, d ** -0.5)
+    out = cached_prefix_attention(q, k_cache, v_cache, block_table, start, d ** -0.5, split=split)
     ref = paged_attention_ref(q, k_cache, v_cache, block_table, slots, positions, d ** -0.5, start + n)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

@@ -35,27 +35,31 @@ def cached_kv(kv: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> tupl
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("start, n", [(1, 1), (3, 5), (4, 4), (7, 17), (13, 3), (16, 11)])
-@pytest.mark.parametrize("query_block", [2048, 3])
-def test_cached_prefix_attention_matches_paged_reference(group, start, n, query_block, monkeypatch):
+@pytest.mark.parametrize("query_block, split", [(2048, False), (3, False), (2048, True)])
+def test_cached_prefix_attention_matches_paged_reference(group, start, n, query_block, split, monkeypatch):
     """Offsets inside a page, on a page boundary and several pages in; chunks within a page and across several;
-    queries in one block and in blocks of 3 (each block's causal mask aligned to its own last key)."""
+    queries in one block and in blocks of 3 (each block's causal mask aligned to its own last key); split: the
+    chunk's own keys and the prefix's in two calls, merged by their log-sum-exp (the reference's fp32 ops here,
+    a fused kernel's on the GPU)."""
     monkeypatch.setattr(attention, "_QUERY_BLOCK", query_block)
     kv = random_cache(2, 40)
     q = torch.randn(n, HKV * group, D, generator=torch.Generator().manual_seed(1))
     slots = torch.full((n,), 1)
     positions = torch.arange(start, start + n)
     ref = paged_attention_ref(q, kv.k[0], kv.v[0], kv.block_tables, slots, positions, SCALE, start + n)
-    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[1:2], start, SCALE)
+    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[1:2], start, SCALE, split=split)
     torch.testing.assert_close(out, ref)
 
 
-def test_cached_prefix_attention_reads_only_the_keys_before_each_query():
+@pytest.mark.parametrize("split", [False, True])
+def test_cached_prefix_attention_reads_only_the_keys_before_each_query(split):
     """Keys past the chunk's last position (a later chunk, rejected drafts) do not leak into its queries."""
     kv = random_cache(1, 32)
     q = torch.randn(5, HKV, D)
-    before = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 6, SCALE)
+    before = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 6, SCALE, split=split)
     kv.k[0].view(-1, HKV, D)[kv.write_index(torch.zeros(3, dtype=torch.int64), torch.arange(11, 14))] = 1e4
-    assert torch.equal(cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 6, SCALE), before)
+    assert torch.equal(cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 6, SCALE, split=split),
+                       before)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -74,14 +78,15 @@ def test_context_attention_of_mixed_chunks_matches_paged_reference(group, window
     torch.testing.assert_close(context_attention(0, q, k, v, meta, SCALE, window), ref)
 
 
-def test_cached_prefix_attention_in_bfloat16():
+@pytest.mark.parametrize("split", [False, True])
+def test_cached_prefix_attention_in_bfloat16(split):
     kv = random_cache(1, 40)
     kv.k[0], kv.v[0] = kv.k[0].bfloat16(), kv.v[0].bfloat16()
     q = torch.randn(9, 4 * HKV, D).bfloat16()
     positions = torch.arange(10, 19)
     ref = paged_attention_ref(q, kv.k[0], kv.v[0], kv.block_tables, torch.zeros(9, dtype=torch.int64), positions,
                               SCALE, 19)
-    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 10, SCALE)
+    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[:1], 10, SCALE, split=split)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

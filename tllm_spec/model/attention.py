@@ -178,31 +178,88 @@ def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+                            block_table: torch.Tensor, start: int, scale: float,
+                            split: bool | None = None) -> torch.Tensor:
     """Causal attention of one prompt chunk at positions [start, start + n) over its request's cached K/V at
     positions [0, start + n) (the chunk's own K/V already written): query i sees keys 0 .. start + i.
 
     q [n, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D]; block_table [1, P] int32 (the request's row,
     on the device: no host sync) -> [n, Hq, D]. The K/V pages are gathered into [Hq, start + n, D] (k, v repeated
-    to the query heads: the SDPA backends that take a lower-right causal mask do not all take grouped heads), and
-    queries go in blocks of at most _QUERY_BLOCK rows, each one SDPA call with a lower-right causal bias: the
-    flash / memory-efficient kernels build no mask or score tensor, and a backend that has to materialise the
-    bias builds [_QUERY_BLOCK, start + n] at most, never [n, start + n]."""
+    to the query heads: not every SDPA backend takes grouped heads).
+
+    ``split`` (None: where a fused attention kernel returns its log-sum-exp, i.e. on CUDA in bf16/fp16): the chunk
+    attends to its own keys by a square causal call and to the prefix by a non-causal call, merged by their
+    log-sum-exp (:func:`attention_with_lse`). Both are shapes the fastest kernel takes (cuDNN's on Hopper; a
+    lower-right causal bias goes to flash attention at half its speed). Otherwise queries go in blocks of at
+    most _QUERY_BLOCK rows, each one SDPA call with a lower-right causal bias: a backend that has to materialise
+    the bias builds [_QUERY_BLOCK, start + n] at most, never [n, start + n]."""
     n, num_q_heads, _ = q.shape
     num_keys, page_size = start + n, k_cache.shape[1]
     pages = block_table[0, :math.ceil(num_keys / page_size)].long()
     group = num_q_heads // k_cache.shape[2]
-    k, v = (c[pages].flatten(0, 1)[:num_keys].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    k, v = (c[pages].flatten(0, 1)[:num_keys].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             for c in (k_cache, v_cache))  # [Hq, start + n, D]
+    qs = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    if split is None:
+        split = _LSE_BACKENDS.get(q.device.type) is not None and q.dtype in (torch.bfloat16, torch.float16)
+    if split:
+        own = attention_with_lse(qs, k[None, :, start:], v[None, :, start:], True, scale)
+        before = attention_with_lse(qs, k[None, :, :start], v[None, :, :start], False, scale)
+        return merge_by_lse(*own, *before)[0].transpose(0, 1)
     out = torch.empty_like(q)
     for first in range(0, n, _QUERY_BLOCK):
         last = min(n, first + _QUERY_BLOCK)
         keys = start + last
-        qs = q[first:last].transpose(0, 1)[None]  # [1, Hq, rows, D]
-        o = F.scaled_dot_product_attention(qs, k[None, :, :keys], v[None, :, :keys], scale=scale,
+        o = F.scaled_dot_product_attention(qs[:, :, first:last], k[None, :, :keys], v[None, :, :keys], scale=scale,
                                            attn_mask=causal_lower_right(last - first, keys))
         out[first:last] = o[0].transpose(0, 1)
     return out
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, L, D] in q's dtype, log-sum-exp of each query's scaled scores [B, H, L] fp32) of one attention
+    call; q [B, H, L, D], k, v [B, H, S, D] (equal heads); ``causal`` with L == S. On CUDA a fused kernel's own
+    log-sum-exp (cuDNN's, else flash attention's: :data:`_LSE_BACKENDS`); elsewhere in fp32 torch ops (the
+    reference)."""
+    backend = _LSE_BACKENDS.get(q.device.type)
+    if backend is None:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        lse = scores.logsumexp(-1)
+        return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+    if backend == "cudnn":
+        try:
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                     scale=scale)
+            return res[0], res[1].reshape(q.shape[:3]).float()
+        except RuntimeError:  # a shape or GPU this cuDNN does not take: flash attention from now on
+            _LSE_BACKENDS[q.device.type] = "flash"
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1].reshape(q.shape[:3]).float()
+
+
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                 ) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each one's (out, log-sum-exp) [.., L, D] / [.., L]:
+    each weighted by its share of the softmax mass. In out_a's dtype, computed in fp32."""
+    top = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
+    return ((out_a.float() * wa + out_b.float() * wb) / (wa + wb)).to(out_a.dtype)
+
+
+def _lse_backends() -> dict[str, str]:
+    """Device type -> the fused kernel :func:`attention_with_lse` calls there ("cudnn" where this torch has cuDNN
+    attention, else "flash"); none on the CPU (the fp32 reference)."""
+    if not torch.cuda.is_available():
+        return {}
+    if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available():
+        return {"cuda": "cudnn"}
+    return {"cuda": "flash"} if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention") else {}
+
+
+_LSE_BACKENDS = _lse_backends()
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,
