@@ -39,8 +39,9 @@ def test_a_tree_run_takes_small_row_blocks_while_they_fit_one_wave():
     assert choose_program_rows(run_rows=16, num_programs=512, num_sms=132) == 16  # a chain: one block either way
 
 
-def test_the_last_split_takes_the_remainder():
-    # chunks of 256 keys (4 splits asked, at least 256 keys a chunk): 300 keys are one chunk, not 256 + 44
-    positions = torch.tensor([299, 511, 766, 1000])  # 300, 512, 767 and 1,001 keys
+def test_runs_under_two_minimum_chunks_are_not_split():
+    # chunks of 256 keys (4 splits asked, at least 256 keys a chunk): 300 keys stay one chunk, not 256 + 44;
+    # from 512 keys on, chunks of 256 and a last one with the rest
+    positions = torch.tensor([299, 510, 511, 766, 1000])  # 300, 511, 512, 767 and 1,001 keys
     _, chunk, used = split_geometry_ref(positions, 1, 0, 4, 256, 128)
-    assert chunk.tolist() == [256, 256, 256, 256] and used.tolist() == [1, 2, 2, 3]
+    assert chunk.tolist() == [256] * 5 and used.tolist() == [1, 1, 2, 3, 4]

@@ -4,8 +4,8 @@ path), and the split geometry both kernels compute on the device from a run's po
 A run of ``query_len`` query tokens of one request attends to keys ``[lo, last]`` (``last``: its highest
 position; ``lo``: 0, or the sliding window's first block). Those keys are cut into chunks of whole key blocks,
 at least ``min_chunk`` long, at most ``num_splits`` of them: split ``s`` holds ``[lo + s * chunk, lo + (s + 1) *
-chunk)``, and the last used split also the remainder (under one chunk): a run is never split for a few keys
-past a chunk's end, so at short contexts (fewer than two chunks) nothing is merged. Split ``s`` leaves acc
+chunk)``. A run of fewer than two minimum chunks is never split: its first split takes all its keys, so at short
+contexts nothing is merged (a split for a few keys past ``min_chunk`` cost more in the merge than it saved). Split ``s`` leaves acc
 (unnormalised), max and sum per (token, query head); the merge rescales each by ``exp(max_s - max)`` and divides.
 A run that needs one chunk only is finished by its split 0 and skipped here.
 """
@@ -38,7 +38,7 @@ def split_geometry_ref(positions: torch.Tensor, query_len: int, window: int, num
         lo = ((lowest - window + 1).clamp(min=0) // block_n) * block_n
     keys = last + 1 - lo
     chunk = -(-(torch.clamp(-(-keys // num_splits), min=min_chunk)) // block_n) * block_n
-    return lo, chunk, (keys // chunk).clamp(min=1)
+    return lo, chunk, torch.where(keys < 2 * min_chunk, 1, -(-keys // chunk))
 
 
 def merge_splits_ref(part_acc: torch.Tensor, part_ml: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
@@ -86,19 +86,21 @@ if triton is not None:
     @triton.jit
     def split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
         """(lo, last, chunk, num_used) of a run from its rows' positions pos [ROWS_PAD] (-1 where not row_ok):
-        the last used split runs on to ``last`` (:func:`split_stop`)."""
+        one split for fewer than two minimum chunks of keys; the last used split runs on to ``last``
+        (:func:`split_stop`)."""
         last = tl.max(pos, 0)
         lo = last * 0
         if window > 0:
             lowest = tl.min(tl.where(row_ok, pos, last), 0)
             lo = (tl.maximum(lowest - window + 1, 0) // BLOCK_N) * BLOCK_N
         chunk = split_chunk(last + 1 - lo, num_splits, MIN_CHUNK, BLOCK_N)
-        return lo, last, chunk, tl.maximum((last + 1 - lo) // chunk, 1)
+        keys = last + 1 - lo
+        return lo, last, chunk, tl.where(keys < 2 * MIN_CHUNK, 1, (keys + chunk - 1) // chunk)
 
     @triton.jit
     def split_stop(start, chunk, last, split, num_used):
         """The end (exclusive) of split ``split``'s keys from ``start``: a chunk on, or ``last + 1`` for the last
-        used split (it takes the remainder)."""
+        used split (a run's only split takes all its keys)."""
         return tl.where(split == num_used - 1, last + 1, tl.minimum(start + chunk, last + 1))
 
     @triton.jit(do_not_specialize=["num_tokens", "num_splits"])

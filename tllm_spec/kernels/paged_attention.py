@@ -228,8 +228,8 @@ if triton is not None:
         split). A run's rows are the QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP,
         head r % GROUP), cut into ROW_BLOCKS blocks of ROWS_PAD (one block but for a draft tree's run), each
         row with its own causal bound; online softmax over the key blocks of its split (:func:`split_bounds`: the
-        run's keys up to its last position, in equal chunks of whole blocks, the last used one with the
-        remainder). With WRITE it first stores the run's new K/V rows of its KV head whose positions fall in its
+        run's keys up to its last position, in equal chunks of whole blocks; fewer than two minimum chunks of
+        keys in one split). With WRITE it first stores the run's new K/V rows of its KV head whose positions fall in its
         split (no program of another split reads them in this launch; the run's other row blocks store the same
         values before they read them). A run whose keys fit one chunk is finished here; otherwise each used split
         leaves its partial (acc, max, sum) for :func:`merge_splits`. PDL (:mod:`.dependent_launch`): while the
