@@ -8,7 +8,7 @@ Candidates (each checked against an fp32 reference on the chunk's last rows, the
   heads), in blocks of 2048 query rows: the current path;
 - ``square``: the square causal call of a whole prompt of chunk length (the speed to match; not a chunk's result);
 - ``split_<backend>``: the chunk's own keys by a square causal call and the prefix by a non-causal call, each
-  returning its log-sum-exp, merged (backend: cudnn, flash): ``tllm_spec.model.attention``'s own split path;
+  returning its log-sum-exp, merged (backend: cudnn, flash): ``tllm_spec.model.prompt_attention``'s own split path;
 - ``varlen``: torch's variable-length flash attention with different query and key lengths (bottom-right causal).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from tllm_spec.model import attention
+from tllm_spec.model import prompt_attention as attention
 
 HQ, HKV, D = 32, 8, 128
 
@@ -42,7 +42,6 @@ def lower_right(q, k, v, prefix):
 
 
 def square(q, k, v, prefix):
-    n = q.shape[2]
     return F.scaled_dot_product_attention(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, enable_gqa=True)
 
 

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from tllm_spec.kernels.paged_attention import _num_sms, choose_num_splits
+from tllm_spec.kernels.attention_plan import choose_num_splits, num_sms
 from tllm_spec.tools.attention_bench import (
     VerifyShape,
     copies_for,
@@ -41,7 +41,7 @@ def main() -> None:
         for context in args.contexts:
             shape = VerifyShape(batch, context, args.query_len)
             inputs = make_inputs(shape, device, copies_for(shape))
-            auto = choose_num_splits(batch * shape.num_kv_heads, shape.kv_len, _num_sms(device))
+            auto = choose_num_splits(batch * shape.num_kv_heads, shape.kv_len, num_sms(device))
             for tile, rows in itertools.product(args.tiles, args.program_rows):
                 keys_warps = None if tile == "auto" else tuple(int(x) for x in tile.split("x"))
                 row = []

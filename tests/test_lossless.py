@@ -98,7 +98,7 @@ def test_dense_prefill_attention_matches_paged_reference():
     import torch
 
     from tllm_spec.kernels.paged_attention import paged_attention_ref
-    from tllm_spec.model.attention import prefill_attention
+    from tllm_spec.model.prompt_attention import prefill_attention
 
     torch.manual_seed(0)
     lens, hq, hkv, d, page = (5, 5, 1, 12, 12, 12, 5), 4, 2, 16, 4

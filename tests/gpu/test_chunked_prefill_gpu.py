@@ -6,7 +6,7 @@ import torch
 
 from tllm_spec import SamplingParams, SpecModel
 from tllm_spec.kernels.paged_attention import paged_attention_ref
-from tllm_spec.model.attention import cached_prefix_attention, prefill_attention, varlen_causal_attention
+from tllm_spec.model.prompt_attention import cached_prefix_attention, prefill_attention, varlen_causal_attention
 
 from ..models import eagle3, hf_greedy, tiny_pair
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tllm_spec.kernels.paged_attention import paged_attention_ref
-from tllm_spec.model import attention
-from tllm_spec.model.attention import AttentionMetadata, cached_prefix_attention, context_attention
+from tllm_spec.model import prompt_attention
+from tllm_spec.model.attention import AttentionMetadata, context_attention
+from tllm_spec.model.prompt_attention import cached_prefix_attention
 from tllm_spec.model.kv_cache import KVCache
 
 PAGE, HKV, D, SCALE = 4, 2, 16, 0.25
@@ -41,7 +42,7 @@ def test_cached_prefix_attention_matches_paged_reference(group, start, n, query_
     queries in one block and in blocks of 3 (each block's causal mask aligned to its own last key); split: the
     chunk's own keys and the prefix's in two calls, merged by their log-sum-exp (the reference's fp32 ops here,
     a fused kernel's on the GPU)."""
-    monkeypatch.setattr(attention, "_QUERY_BLOCK", query_block)
+    monkeypatch.setattr(prompt_attention, "_QUERY_BLOCK", query_block)
     kv = random_cache(2, 40)
     q = torch.randn(n, HKV * group, D, generator=torch.Generator().manual_seed(1))
     slots = torch.full((n,), 1)
@@ -102,21 +103,20 @@ def test_varlen_call_matches_the_torch_version(monkeypatch, takes, window, expec
     """What ``varlen_causal_attention`` passes to each generation of torch's varlen_attn: causality, the window
     as flash's left extent (window - 1: our mask's key j > i - window), the scale, and K/V heads (grouped, or
     repeated to the query heads)."""
-    import tllm_spec.model.attention as attention
     calls = []
 
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
         calls.append((k.shape[1], cu_q.tolist(), max_q, kwargs))
         return q
-    monkeypatch.setattr(attention, "_VARLEN", (varlen_attn, takes))
+    monkeypatch.setattr(prompt_attention, "_VARLEN", (varlen_attn, takes))
     q, k = torch.randn(12, 4, 16), torch.randn(12, 2, 16)
-    out = attention.varlen_causal_attention(q, k, k, (5, 7), 0.25, window)
+    out = prompt_attention.varlen_causal_attention(q, k, k, (5, 7), 0.25, window)
     if expected is None:
         assert out is None and not calls
         return
     heads = 2 if "enable_gqa" in takes else 4
     assert calls == [(heads, [0, 5, 12], 7, expected)]
-    assert attention.varlen_causal_attention(q, k, k, (5, 7), 0.5, window) is None or "scale" in takes
+    assert prompt_attention.varlen_causal_attention(q, k, k, (5, 7), 0.5, window) is None or "scale" in takes
 
 
 def test_the_compiled_steps_op_takes_a_tree_mask():

@@ -20,18 +20,15 @@ import torch
 from .. import kernels
 from . import dependent_launch
 from .attention_merge import MAX_SPLITS, merge_splits
+from .attention_plan import MIN_KEYS_PER_SPLIT, choose_num_splits, choose_program_rows, num_sms
 from .kv_write import kv_write_ref
 
-MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this costs more in merging than it saves
-MAX_KEYS_PER_SPLIT = 2048
 BLOCK_N = 128  # keys per loop iteration of a program with few query rows (attention_tile)
 TREE_WINDOW = 63  # a tree token's mask covers the 63 positions up to its own (the int64's non-sign bits)
 NUM_STAGES = 3  # key blocks in flight per program (software pipelining of the key loop)
 NUM_WARPS = 4
 WIDE_ROWS = 64  # from this many query rows a program (a draft tree's run) takes WIDE_TILE
 WIDE_TILE = (64, 8)  # (keys per iteration, warps): its score and output tiles stay in registers
-PROGRAM_ROWS = (16, 32)  # query rows a program may take: a wider run (a draft tree's) is cut into row blocks
-PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
 PREFETCH_BLOCKS = 2  # key blocks whose cached K/V a dependent launch asks L2 for before its wait
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
 
@@ -135,11 +132,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert new_kv is None or (k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
                               and k_new.stride(2) == v_new.stride(2) == 1)
     num_runs = triton.cdiv(num_tokens, query_len)
-    program_rows = program_rows or choose_program_rows(group * query_len, num_runs * num_kv_heads, _num_sms(q.device))
+    program_rows = program_rows or choose_program_rows(group * query_len, num_runs * num_kv_heads, num_sms(q.device))
     rows_pad = min(max(16, triton.next_power_of_2(group * query_len)), program_rows)
     row_blocks = triton.cdiv(group * query_len, rows_pad)
     if num_splits is None:
-        num_splits = choose_num_splits(num_runs * row_blocks * num_kv_heads, max_kv_len, _num_sms(q.device))
+        num_splits = choose_num_splits(num_runs * row_blocks * num_kv_heads, max_kv_len, num_sms(q.device))
     assert 1 <= num_splits <= MAX_SPLITS
     # partial (acc, max, sum) per split; never read where a run's keys fit one chunk
     part_acc = q.new_empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32)
@@ -165,32 +162,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
-    """KV splits per run where the (request run, KV head) programs do not fill the GPU: enough for
-    PROGRAMS_PER_SM per SM, and chunks of at most MAX_KEYS_PER_SPLIT keys at the longest context ``max_kv_len``
-    (more programs in flight pay at long context), none shorter than MIN_KEYS_PER_SPLIT. Measured on an H200
-    (bf16, 8 KV heads, verify runs of 4): 3.1 TB/s at batch 1 and 32k keys, 3.9 at 128k; at batch 8 and 32k,
-    16 splits read 3.9 TB/s where 5 read 3.0."""
-    if num_programs >= num_sms:
-        return 1
-    # as many splits as fit one wave of PROGRAMS_PER_SM per SM (rounded down: a few programs over it make a second
-    # wave; at batch 8 and 8k keys, 5 splits took 100 µs where 4 took 77, scripts/sweep_splits.py)
-    wanted = max(PROGRAMS_PER_SM * num_sms // num_programs, -(-max_kv_len // MAX_KEYS_PER_SPLIT))
-    return max(1, min(wanted, MAX_SPLITS, -(-max_kv_len // MIN_KEYS_PER_SPLIT)))
-
-
-def choose_program_rows(run_rows: int, num_programs: int, num_sms: int) -> int:
-    """Query rows per program for runs of ``run_rows`` rows over ``num_programs`` (run, KV head) pairs: the
-    smallest of PROGRAM_ROWS whose row blocks still fit one wave of PROGRAMS_PER_SM programs per SM, else the
-    largest. Measured on an H200 (draft tree of 32 tokens, 4 query heads per KV head, 256 keys): at batch 1 a
-    call takes 10.1 us in blocks of 16 rows, 14.5 in blocks of 32 and 23.4 in one program of 128; at batch 8,
-    27.9, 20.7 and 25.1 us (``scripts/sweep_splits.py --program-rows``)."""
-    for rows in PROGRAM_ROWS:
-        if run_rows <= rows or num_programs * -(-run_rows // rows) <= PROGRAMS_PER_SM * num_sms:
-            return rows
-    return PROGRAM_ROWS[-1]
-
-
 def attention_tile(rows_pad: int) -> tuple[int, int]:
     """(keys per iteration, warps) of a program with ``rows_pad`` query rows (query tokens x the query heads of
     one KV head, padded): BLOCK_N keys and NUM_WARPS warps for a chain's few rows; from WIDE_ROWS (a draft
@@ -199,11 +170,6 @@ def attention_tile(rows_pad: int) -> tuple[int, int]:
     if rows_pad < WIDE_ROWS:
         return BLOCK_N, NUM_WARPS
     return min(BLOCK_N, WIDE_TILE[0]), WIDE_TILE[1]
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 elsewhere, e.g. the interpreter: no split unless asked)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 if triton is not None:
