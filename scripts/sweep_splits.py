@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from tllm_spec.kernels.attention_plan import choose_num_splits, num_sms
+from tllm_spec.kernels.attention_plan import choose_num_splits, choose_program_rows, num_sms
 from tllm_spec.tools.attention_bench import (
     VerifyShape,
     copies_for,
@@ -41,8 +41,14 @@ def main() -> None:
         for context in args.contexts:
             shape = VerifyShape(batch, context, args.query_len)
             inputs = make_inputs(shape, device, copies_for(shape))
-            auto = choose_num_splits(batch * shape.num_kv_heads, shape.kv_len, num_sms(device))
             for tile, rows in itertools.product(args.tiles, args.program_rows):
+                run_rows = shape.query_len * shape.num_q_heads // shape.num_kv_heads
+                if args.tree or rows:  # the launcher's own split count: over the run's row blocks
+                    rows_used = rows or choose_program_rows(run_rows, batch * shape.num_kv_heads, num_sms(device))
+                    blocks = -(-run_rows // min(rows_used, max(16, 1 << (run_rows - 1).bit_length())))
+                else:
+                    blocks = 1
+                auto = choose_num_splits(batch * blocks * shape.num_kv_heads, shape.kv_len, num_sms(device))
                 keys_warps = None if tile == "auto" else tuple(int(x) for x in tile.split("x"))
                 row = []
                 for s in [None, *args.splits]:

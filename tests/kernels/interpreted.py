@@ -21,7 +21,10 @@ kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for C
 
 
 def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | None, fused_write: bool,
-                num_splits: int = 1, max_pages: int = 6, tree: bool = False, program_rows: int | None = None) -> None:
+                num_splits: int = 1, max_pages: int = 6, tree: bool = False, program_rows: int | None = None,
+                start: int | None = None) -> None:
+    """One launch against the reference: random caches, pages and queries; each run's first position random, or
+    ``start`` for every run."""
     g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq + num_splits)
     page, d = 4, 16
     num_pages = num_runs * max_pages + 6
@@ -30,6 +33,8 @@ def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | 
     block_tables = (torch.randperm(num_pages - 1, generator=g)[:num_runs * max_pages] + 1).int()
     block_tables = block_tables.view(num_runs, max_pages)
     starts = torch.randint(0, max_pages * page - query_len, (num_runs,), generator=g)
+    if start is not None:
+        starts = torch.full((num_runs,), start)
     positions = (starts[:, None] + torch.arange(query_len)).flatten()
     slots = torch.arange(num_runs).repeat_interleave(query_len)
     q = torch.randn(num_runs * query_len, hq + hkv, d, generator=g)[:, :hq]  # a slice of q|k: tokens strided
@@ -65,14 +70,17 @@ def _split_cases() -> None:
         for query_len, fused, splits in itertools.product([1, 8, 25], [False, True], [1, 3]):  # a verify step's tree
             _paged_case(query_len, 2, 4, 2, None, fused, splits, max_pages=40, tree=True)  # 25 x 2 rows: 2 blocks
             print(f"ok tree paged_attention query_len={query_len} fused_write={fused} splits={splits}")
+        for fused in (False, True):  # 25 tokens from position 10: 35 keys, 3 chunks; the first row block's own
+            # tokens see 26 keys (under two chunks): only the run's geometry gives every block and the merge one
+            _paged_case(25, 1, 4, 2, None, fused, 3, max_pages=40, tree=True, start=10)
+            print(f"ok pinned tree paged_attention fused_write={fused}")
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
     for fused, splits, rows in itertools.product([False, True], [1, 2], [16, None, 128]):  # 26 tokens x 4 heads
         # in row blocks (of 16, of the kernel's choice: 32 here), or all 104 rows in one program (the wide tile);
-        # up to 640 keys: 2 chunks
-        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True, program_rows=rows)
-        tile = attention_module.attention_tile(min(rows or 32, 128))
-        print(f"ok wide tree paged_attention tile={tile} rows={rows} fused_write={fused} splits={splits}")
+        # from position 590: 616 keys, 2 chunks where 2 splits are asked
+        _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True, program_rows=rows, start=590)
+        print(f"ok wide tree paged_attention rows={rows} fused_write={fused} splits={splits}")
     for query_len, window in itertools.product([1, 3], [0, 9]):
         _merge_case(query_len, window)
         print(f"ok merge_splits query_len={query_len} window={window}")

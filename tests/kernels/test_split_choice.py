@@ -12,6 +12,8 @@ def test_runs_that_fill_the_gpu_are_not_split():
 
 def test_short_contexts_are_not_split_below_the_minimum_chunk():
     assert choose_num_splits(num_programs=8, max_kv_len=200, num_sms=132) == 1
+    assert choose_num_splits(num_programs=8, max_kv_len=511, num_sms=132) == 1  # under two chunks: one split
+    assert choose_num_splits(num_programs=8, max_kv_len=512, num_sms=132) == 2
     assert choose_num_splits(num_programs=8, max_kv_len=1024, num_sms=132) == 4
 
 

@@ -145,3 +145,16 @@ def test_the_compiled_steps_op_takes_a_tree_mask():
     torch.testing.assert_close(out, expected)
     plain = paged_attention_ref(q, k_ref, v_ref, cache.block_tables, slots, rows, 0.3, 24, None, n)
     assert not torch.allclose(out, plain)  # the mask was applied
+
+
+def test_a_chunk_falls_back_to_the_lower_right_bias_where_no_fused_kernel_takes_it(monkeypatch):
+    """Where cuDNN and then flash attention refuse the split path's calls (here: the CPU, which has neither), the
+    chunk still gets its attention, through the lower-right bias, and later chunks go there directly."""
+    monkeypatch.setitem(prompt_attention._LSE_BACKENDS, "cpu", "cudnn")
+    kv = random_cache(2, 40)
+    q = torch.randn(11, HKV * 4, D, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(16, 27)
+    ref = paged_attention_ref(q, kv.k[0], kv.v[0], kv.block_tables, torch.full((11,), 1), positions, SCALE, 27)
+    out = cached_prefix_attention(q, kv.k[0], kv.v[0], kv.block_tables[1:2], 16, SCALE, split=True)
+    torch.testing.assert_close(out, ref)
+    assert "cpu" not in prompt_attention._LSE_BACKENDS

@@ -4,10 +4,11 @@ path), and the split geometry both kernels compute on the device from a run's po
 A run of ``query_len`` query tokens of one request attends to keys ``[lo, last]`` (``last``: its highest
 position; ``lo``: 0, or the sliding window's first block). Those keys are cut into chunks of whole key blocks,
 at least ``min_chunk`` long, at most ``num_splits`` of them: split ``s`` holds ``[lo + s * chunk, lo + (s + 1) *
-chunk)``. A run of fewer than two minimum chunks is never split: its first split takes all its keys, so at short
-contexts nothing is merged (a split for a few keys past ``min_chunk`` cost more in the merge than it saved). Split ``s`` leaves acc
-(unnormalised), max and sum per (token, query head); the merge rescales each by ``exp(max_s - max)`` and divides.
-A run that needs one chunk only is finished by its split 0 and skipped here.
+chunk)``, the last used one up to ``last``. A run of fewer than two minimum chunks is never split: its first
+split takes all its keys, so at short contexts nothing is merged (a split for a few keys past ``min_chunk`` cost
+more in the merge than it saved). Split ``s`` leaves acc (unnormalised), max and sum per (token, query head); the
+merge rescales each by ``exp(max_s - max)`` and divides. A run that needs one chunk only is finished by its split 0
+and skipped here.
 """
 from __future__ import annotations
 
@@ -99,9 +100,10 @@ if triton is not None:
 
     @triton.jit
     def split_stop(start, chunk, last, split, num_used):
-        """The end (exclusive) of split ``split``'s keys from ``start``: a chunk on, or ``last + 1`` for the last
-        used split (a run's only split takes all its keys)."""
-        return tl.where(split == num_used - 1, last + 1, tl.minimum(start + chunk, last + 1))
+        """The end (exclusive) of split ``split``'s keys from ``start``: a chunk on, ``last + 1`` for the last
+        used split (a run's only split takes all its keys), ``start`` (none) for a split the run does not use."""
+        stop = tl.where(split == num_used - 1, last + 1, tl.minimum(start + chunk, last + 1))
+        return tl.where(split < num_used, stop, start)
 
     @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
     def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, positions_ptr, out_ptr, num_tokens, window, num_splits,

@@ -17,7 +17,8 @@ PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
 def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     """KV splits per run where the (request run, KV head) programs do not fill the GPU: enough for
     PROGRAMS_PER_SM per SM, and chunks of at most MAX_KEYS_PER_SPLIT keys at the longest context ``max_kv_len``
-    (more programs in flight pay at long context), none shorter than MIN_KEYS_PER_SPLIT. Measured on an H200
+    (more programs in flight pay at long context), none shorter than MIN_KEYS_PER_SPLIT, and no split at all for a
+    bound under two of those (:mod:`.attention_merge` never splits a run that short). Measured on an H200
     (bf16, 8 KV heads, verify runs of 4): 3.1 TB/s at batch 1 and 32k keys, 3.9 at 128k; at batch 8 and 32k,
     16 splits read 3.9 TB/s where 5 read 3.0."""
     if num_programs >= num_sms:
@@ -25,14 +26,14 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     # as many splits as fit one wave of PROGRAMS_PER_SM per SM (rounded down: a few programs over it make a second
     # wave; at batch 8 and 8k keys, 5 splits took 100 µs where 4 took 77, scripts/sweep_splits.py)
     wanted = max(PROGRAMS_PER_SM * num_sms // num_programs, -(-max_kv_len // MAX_KEYS_PER_SPLIT))
-    return max(1, min(wanted, MAX_SPLITS, -(-max_kv_len // MIN_KEYS_PER_SPLIT)))
+    return max(1, min(wanted, MAX_SPLITS, max_kv_len // MIN_KEYS_PER_SPLIT))  # under 2 chunks: never split
 
 
 def choose_program_rows(run_rows: int, num_programs: int, num_sms: int) -> int:
     """Query rows per program for runs of ``run_rows`` rows over ``num_programs`` (run, KV head) pairs: the
     smallest of PROGRAM_ROWS whose row blocks still fit one wave of PROGRAMS_PER_SM programs per SM, else the
     largest. Measured on an H200 (draft tree of 32 tokens, 4 query heads per KV head, 256 keys): at batch 1 a
-    call takes 10.1 us in blocks of 16 rows, 14.5 in blocks of 32 and 23.4 in one program of 128; at batch 8,
+    call takes 10.0-10.1 us in blocks of 16 rows, 14.5 in blocks of 32 and 23.4 in one program of 128; at batch 8,
     27.9, 20.7 and 25.1 us (``scripts/sweep_splits.py --program-rows``)."""
     for rows in PROGRAM_ROWS:
         if run_rows <= rows or num_programs * -(-run_rows // rows) <= PROGRAMS_PER_SM * num_sms:

@@ -111,9 +111,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``num_splits``: KV splits per run (None: :func:`choose_num_splits`; 1: the unsplit kernel).
     ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
     ``tile``: (keys per iteration, warps) of a program (None: :func:`attention_tile`; for benchmarks).
-    ``program_rows``: query rows per program at most (None: :func:`choose_program_rows`; for benchmarks). A run
-    of more rows (query_len x the query heads of a KV head) is served by several programs, one per block of
-    rows, each reading the run's keys (from L2 after the first): more programs in flight, smaller tiles.
+    ``program_rows``: query rows per program at most (None: :func:`choose_program_rows` for a draft tree's run,
+    one program for any other run; for benchmarks). A run of more rows (query_len x the query heads of a KV head)
+    is served by several programs, one per block of rows, each reading the run's keys (from L2 after the
+    first): more programs in flight, smaller tiles. Measured for trees only, so chains keep one program a run.
     """
     if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
@@ -132,9 +133,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert new_kv is None or (k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
                               and k_new.stride(2) == v_new.stride(2) == 1)
     num_runs = triton.cdiv(num_tokens, query_len)
-    program_rows = program_rows or choose_program_rows(group * query_len, num_runs * num_kv_heads, num_sms(q.device))
-    rows_pad = min(max(16, triton.next_power_of_2(group * query_len)), program_rows)
-    row_blocks = triton.cdiv(group * query_len, rows_pad)
+    run_rows = group * query_len
+    rows_pad = max(16, triton.next_power_of_2(run_rows))  # one program per run (a chain's few rows)
+    if program_rows is None and tree_mask is not None:  # a draft tree's many rows: blocks of them
+        program_rows = choose_program_rows(run_rows, num_runs * num_kv_heads, num_sms(q.device))
+    rows_pad = min(rows_pad, program_rows or rows_pad)
+    row_blocks = triton.cdiv(run_rows, rows_pad)
     if num_splits is None:
         num_splits = choose_num_splits(num_runs * row_blocks * num_kv_heads, max_kv_len, num_sms(q.device))
     assert 1 <= num_splits <= MAX_SPLITS

@@ -48,8 +48,8 @@ def tile_config(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
     on an H200 (Llama-3.1-8B shapes, 1 and 4 rows): few output features (o, down, the EAGLE-3 fc) want long K
     tiles, many (gate/up, lm_heads) short ones. The 32-row tile (17 to 32 rows), swept on an H200 at 32 rows
     (`docs/benchmarks/h200-trees/skinny32.json`), keeps the many-feature tiles; with few features it reads K in
-    256-wide tiles six stages deep (down 3641 GB/s, where 512-wide tiles three deep, all of those that fit
-    shared memory, read 3381)."""
+    256-wide tiles six stages deep (down 3641 GB/s, where the 512-wide tile it had, three stages deep, read 3381
+    and four deep 3525)."""
     if n <= 4096:
         return (32, 512, 4, 4) if padded_rows(rows) == 16 else (32, 256, 4, 6)
     if n >= 16384:

@@ -27,10 +27,11 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     ``split`` (None: where a fused attention kernel returns its log-sum-exp, i.e. on CUDA in bf16/fp16): the chunk
     attends to its own keys by a square causal call and to the prefix by a non-causal call, merged by their
-    log-sum-exp (:func:`attention_with_lse`). Both are shapes the fastest kernel takes (cuDNN's on Hopper; a
-    lower-right causal bias goes to flash attention at half its speed). Otherwise queries go in blocks of at
-    most _QUERY_BLOCK rows, each one SDPA call with a lower-right causal bias: a backend that has to materialise
-    the bias builds [_QUERY_BLOCK, start + n] at most, never [n, start + n]."""
+    log-sum-exp (:func:`attention_with_lse`; where neither fused kernel takes the call, the path below from then
+    on). Both are shapes the fastest kernel takes (cuDNN's on Hopper; a lower-right causal bias goes to flash
+    attention at half its speed). Otherwise queries go in blocks of at most _QUERY_BLOCK rows, each one SDPA
+    call with a lower-right causal bias: a backend that has to materialise the bias builds [_QUERY_BLOCK,
+    start + n] at most, never [n, start + n]."""
     n, num_q_heads, _ = q.shape
     num_keys, page_size = start + n, k_cache.shape[1]
     pages = block_table[0, :math.ceil(num_keys / page_size)].long()
@@ -41,9 +42,14 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if split is None:
         split = _LSE_BACKENDS.get(q.device.type) is not None and q.dtype in (torch.bfloat16, torch.float16)
     if split:
-        own = attention_with_lse(qs, k[None, :, start:], v[None, :, start:], True, scale)
-        before = attention_with_lse(qs, k[None, :, :start], v[None, :, :start], False, scale)
-        return merge_by_lse(*own, *before)[0].transpose(0, 1)
+        try:
+            qs = q.contiguous().transpose(0, 1)[None]  # dense tokens (q may be a token-strided slice of q|k|v)
+            own = attention_with_lse(qs, k[None, :, start:], v[None, :, start:], True, scale)
+            before = attention_with_lse(qs, k[None, :, :start], v[None, :, :start], False, scale)
+            return merge_by_lse(*own, *before)[0].transpose(0, 1)
+        except RuntimeError:  # no fused kernel takes these shapes on this GPU: the lower-right bias from now on
+            if _LSE_BACKENDS.pop(q.device.type, None) is None:
+                raise
     out = torch.empty_like(q)
     for first in range(0, n, _QUERY_BLOCK):
         last = min(n, first + _QUERY_BLOCK)
