@@ -134,10 +134,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                               and k_new.stride(2) == v_new.stride(2) == 1)
     num_runs = triton.cdiv(num_tokens, query_len)
     run_rows = group * query_len
-    rows_pad = max(16, triton.next_power_of_2(run_rows))  # one program per run (a chain's few rows)
     if program_rows is None and tree_mask is not None:  # a draft tree's many rows: blocks of them
         program_rows = choose_program_rows(run_rows, num_runs * num_kv_heads, num_sms(q.device))
-    rows_pad = min(rows_pad, program_rows or rows_pad)
+    rows_pad = max(16, triton.next_power_of_2(run_rows))  # one program a run, but for row blocks
+    rows_pad = min(rows_pad, program_rows) if program_rows else rows_pad
     row_blocks = triton.cdiv(run_rows, rows_pad)
     if num_splits is None:
         num_splits = choose_num_splits(num_runs * row_blocks * num_kv_heads, max_kv_len, num_sms(q.device))

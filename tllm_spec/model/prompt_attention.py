@@ -38,12 +38,11 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = num_q_heads // k_cache.shape[2]
     k, v = (c[pages].flatten(0, 1)[:num_keys].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             for c in (k_cache, v_cache))  # [Hq, start + n, D]
-    qs = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    qs = q.contiguous().transpose(0, 1)[None]  # [1, Hq, n, D], dense tokens (q may be a strided slice of q|k|v)
     if split is None:
         split = _LSE_BACKENDS.get(q.device.type) is not None and q.dtype in (torch.bfloat16, torch.float16)
     if split:
         try:
-            qs = q.contiguous().transpose(0, 1)[None]  # dense tokens (q may be a token-strided slice of q|k|v)
             own = attention_with_lse(qs, k[None, :, start:], v[None, :, start:], True, scale)
             before = attention_with_lse(qs, k[None, :, :start], v[None, :, :start], False, scale)
             return merge_by_lse(*own, *before)[0].transpose(0, 1)

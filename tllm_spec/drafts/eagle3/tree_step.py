@@ -28,8 +28,8 @@ from ...model.attention import AttentionMetadata
 from ...model.kv_cache import KVCache
 from ...sampling import rng, sampler
 from ...sampling.forcing import forced_num_accepted
-from ...sampling.small_topk import small_topk
 from ...sampling.rejection import full_vocab_probs
+from ...sampling.small_topk import small_topk
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
 from ..tree import DraftTree, TreeTensors, parent_rows, tree_children

@@ -16,7 +16,6 @@ from .dynamic_tree import DynamicTreeStep
 from .tree_step import TreeStep
 
 
-
 class Eagle3OneModelWorker(SpecWorkerBase):
     """The EAGLE-3 part of the one-model step.
 
