@@ -28,7 +28,7 @@ _UNCACHED_BYTES = 256 * 2**20  # the copies timed in turn hold at least this muc
 _MAX_COPIES = 32
 _WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's float workspace (128 MB recommended)
 _XQA_WORKSPACE_BYTES = 512 * 2**20  # 8 MB of semaphores, then scratch for the multi-block partials
-_REASON_CHARS = 300
+_REASON_CHARS = 600
 
 Run = Callable[[int], torch.Tensor]  # copy index -> output [B*Q, Hq, D]
 
@@ -146,19 +146,31 @@ def _flashinfer(device: torch.device) -> types.ModuleType:
 
 def flashinfer_prefill_run(shape: VerifyShape, inputs: VerifyInputs) -> Run:
     """BatchPrefillWithPagedKVCacheWrapper, NHD layout (= ours), causal (queries aligned to the end of the KV);
-    plan() here, outside the timed calls."""
+    plan() here, outside the timed calls. FlashInfer's own choice of kernel first (FA3 on Hopper), its FA2 kernel
+    where that one does not build; the run's ``backend`` attribute names the one timed."""
     device = inputs.q.device
     fi = _flashinfer(device)
     b, pages, i32 = shape.batch, shape.pages_per_request, torch.int32
-    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device),
-                                                     "NHD")
-    wrapper.plan(torch.arange(b + 1, dtype=i32, device=device) * shape.query_len,  # qo_indptr
-                 torch.arange(b + 1, dtype=i32, device=device) * pages,  # kv_indptr
-                 inputs.block_tables.flatten(),  # kv_indices
-                 torch.full((b,), shape.kv_len - (pages - 1) * shape.page_size, dtype=i32, device=device),
-                 shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, causal=True,
-                 sm_scale=inputs.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    return lambda i: wrapper.run(inputs.q, inputs.caches[i])
+    failures = []
+    for backend in ("auto", "fa2"):
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+            torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD", backend=backend)
+        try:
+            wrapper.plan(torch.arange(b + 1, dtype=i32, device=device) * shape.query_len,  # qo_indptr
+                         torch.arange(b + 1, dtype=i32, device=device) * pages,  # kv_indptr
+                         inputs.block_tables.flatten(),  # kv_indices
+                         torch.full((b,), shape.kv_len - (pages - 1) * shape.page_size, dtype=i32, device=device),
+                         shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, causal=True,
+                         sm_scale=inputs.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        except RuntimeError as err:  # a JIT build that fails (e.g. headers a trimmed install lacks)
+            failures.append(f"{backend}: {_reason(err)}")
+            continue
+
+        def run(i: int, wrapper=wrapper) -> torch.Tensor:
+            return wrapper.run(inputs.q, inputs.caches[i])
+        run.backend = backend
+        return run
+    raise Unavailable("; ".join(failures))
 
 
 def xqa_run(shape: VerifyShape, inputs: VerifyInputs) -> Run:
@@ -228,14 +240,15 @@ def _captured(run: Run, copies: int, iters: int) -> tuple[Callable[[], object], 
 
 
 def _reason(err: BaseException) -> str:
-    text = str(err) if isinstance(err, Unavailable) else f"{type(err).__name__}: {err}"
-    return " ".join(text.split())[:_REASON_CHARS]
+    """One line: the error's start and, for a long one (a build log), its end, where the cause is."""
+    text = " ".join((str(err) if isinstance(err, Unavailable) else f"{type(err).__name__}: {err}").split())
+    return text if len(text) <= _REASON_CHARS else f"{text[:_REASON_CHARS // 3]} ... {text[-2 * _REASON_CHARS // 3:]}"
 
 
 def _entry(name: str, shape: VerifyShape, unavailable: str | None = None) -> dict:
     return {"backend": name, "batch": shape.batch, "context": shape.context, "query_len": shape.query_len,
             "kv_bytes": shape.kv_bytes, "us_per_call": None, "roofline_fraction": None, "timing": None,
-            "max_abs_error": None, "unavailable": unavailable}
+            "max_abs_error": None, "kernel": None, "unavailable": unavailable}
 
 
 def attention_entry(name: str, shape: VerifyShape, inputs: VerifyInputs, bandwidth: float, iters: int,
@@ -248,6 +261,7 @@ def attention_entry(name: str, shape: VerifyShape, inputs: VerifyInputs, bandwid
         if reference is not None:
             entry["max_abs_error"] = (run(0).float() - reference.float()).abs().max().item()
         us, entry["timing"] = time_per_call_us(run, len(inputs.caches), inputs.q.device, iters)
+        entry["kernel"] = getattr(run, "backend", None)  # which of a backend's kernels ran (FlashInfer's)
     except Exception as err:  # missing API, unsupported shape, JIT failure, out of memory: recorded, not fatal
         entry["unavailable"] = _reason(err)
         return entry
