@@ -7,7 +7,10 @@ kernels (torch profiler).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import tempfile
 import time
 
@@ -79,8 +82,23 @@ def time_context_steps(model, batch: int, prompt_len: int, repeats: int = 5) -> 
             "top_kernels": _top(prof, 1, device=True)}
 
 
-def time_mixed_step(model, running: int, prompt_len: int, new_tokens: int = 64) -> dict:
-    """Engine steps with ``running`` generating requests: plain steps, then a step that also admits one prompt."""
+def host_profile(fn, lines: int = 30) -> tuple[object, str]:
+    """``fn()`` under cProfile: its result and the top ``lines`` functions by own time (where a step's host time
+    goes: Python, kernel launches, synchronisations)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        result = fn()
+    finally:
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(lines)
+    return result, text.getvalue()
+
+
+def time_mixed_step(model, running: int, prompt_len: int, new_tokens: int = 64, cprofile: bool = False) -> dict:
+    """Engine steps with ``running`` generating requests: plain steps, then a step that also admits one prompt
+    (with ``cprofile``, that step's host functions by own time are in ``host_profile``)."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     prompts = [[(5 * b + i) % 1000 + 1 for i in range(prompt_len)] for b in range(running + 1)]
 
@@ -90,14 +108,17 @@ def time_mixed_step(model, running: int, prompt_len: int, new_tokens: int = 64) 
         engine.step()  # their prefill
         times = [timed_step(engine) for _ in range(6)]
         engine.add(running, prompts[running], params)
-        mixed = timed_step(engine)
+        mixed, host = host_profile(lambda: timed_step(engine)) if profiled else (timed_step(engine), None)
         after = [timed_step(engine) for _ in range(2)]
         for r in list(engine.running):
             engine.abort(r.request_id)
         engine.step()
-        return {"running": running, "generation_steps_ms": times, "mixed_step_ms": mixed, "after_ms": after}
+        return {"running": running, "generation_steps_ms": times, "mixed_step_ms": mixed, "after_ms": after,
+                **({"host_profile": host} if host else {})}
 
+    profiled = False
     on_engine(model, run)  # warm: the mixed shapes
+    profiled = cprofile
     return on_engine(model, run)
 
 
@@ -109,6 +130,7 @@ def main() -> None:
     p.add_argument("--running", type=int, default=63)
     p.add_argument("--forced", type=float, default=2.5)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--cprofile", action="store_true", help="the mixed step's host time by function (cProfile)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     longest = args.prompt_len * max(args.batches)
@@ -124,7 +146,11 @@ def main() -> None:
         print("  host (self cpu):\n    " + "\n    ".join(r["top_host"]))
         print("  kernels:\n    " + "\n    ".join(r["top_kernels"]))
     if args.running:
-        print(json.dumps(time_mixed_step(model, args.running, args.prompt_len)))
+        mixed = time_mixed_step(model, args.running, args.prompt_len, cprofile=args.cprofile)
+        host = mixed.pop("host_profile", None)
+        print(json.dumps(mixed))
+        if host:
+            print(host)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch
 
 from tllm_spec import kernels
 from tllm_spec.kernels import attention_merge as merge_module
+from tllm_spec.kernels import attention_plan as plan_module
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
@@ -21,11 +22,11 @@ kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for C
 
 
 def _paged_case(query_len: int, num_runs: int, hq: int, hkv: int, window: int | None, fused_write: bool,
-                num_splits: int = 1, max_pages: int = 6, tree: bool = False, program_rows: int | None = None,
+                num_splits: int | None = 1, max_pages: int = 6, tree: bool = False, program_rows: int | None = None,
                 start: int | None = None) -> None:
     """One launch against the reference: random caches, pages and queries; each run's first position random, or
     ``start`` for every run."""
-    g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq + num_splits)
+    g = torch.Generator().manual_seed(query_len * 31 + num_runs + hq + (num_splits or 0))
     page, d = 4, 16
     num_pages = num_runs * max_pages + 6
     k_cache = torch.randn(num_pages, page, hkv, d, generator=g)
@@ -74,6 +75,7 @@ def _split_cases() -> None:
             # tokens see 26 keys (under two chunks): only the run's geometry gives every block and the merge one
             _paged_case(25, 1, 4, 2, None, fused, 3, max_pages=40, tree=True, start=10)
             print(f"ok pinned tree paged_attention fused_write={fused}")
+        _auto_split_cases()
     finally:
         attention_module.BLOCK_N, attention_module.MIN_KEYS_PER_SPLIT = 128, 256
     for fused, splits, rows in itertools.product([False, True], [1, 2], [16, None, 128]):  # 26 tokens x 4 heads
@@ -81,14 +83,32 @@ def _split_cases() -> None:
         # from position 590: 616 keys, 2 chunks where 2 splits are asked
         _paged_case(26, 2, 8, 2, None, fused, splits, max_pages=160, tree=True, program_rows=rows, start=590)
         print(f"ok wide tree paged_attention rows={rows} fused_write={fused} splits={splits}")
-    for query_len, window in itertools.product([1, 3], [0, 9]):
-        _merge_case(query_len, window)
-        print(f"ok merge_splits query_len={query_len} window={window}")
+    for query_len, window, wave in itertools.product([1, 3], [0, 9], [None, 2]):
+        _merge_case(query_len, window, wave)
+        print(f"ok merge_splits query_len={query_len} window={window} wave_splits={wave}")
 
 
-def _merge_case(query_len: int, window: int) -> None:
+def _auto_split_cases() -> None:
+    """The launch's own split choice on a 16-SM device with chunks of 16 to 16 keys: a grid of 10 splits for the
+    bound (160 keys), of which each run uses as many as fill a wave (5) or its keys need (one per 16 keys), so
+    runs of one launch use 1 to 10 splits; the merge agrees with the attention on each run's count."""
+    saved = attention_module.num_sms, attention_module.MAX_KEYS_PER_SPLIT, plan_module.MAX_KEYS_PER_SPLIT, \
+        plan_module.MIN_KEYS_PER_SPLIT
+    attention_module.num_sms = lambda device: 16
+    attention_module.MAX_KEYS_PER_SPLIT = plan_module.MAX_KEYS_PER_SPLIT = plan_module.MIN_KEYS_PER_SPLIT = 16
+    try:
+        for query_len, window, fused in itertools.product([1, 4], [None, 21], [False, True]):
+            _paged_case(query_len, 3, 4, 2, window, fused, None, max_pages=40)
+            print(f"ok auto split paged_attention query_len={query_len} window={window} fused_write={fused}")
+    finally:
+        attention_module.num_sms, attention_module.MAX_KEYS_PER_SPLIT, plan_module.MAX_KEYS_PER_SPLIT, \
+            plan_module.MIN_KEYS_PER_SPLIT = saved
+
+
+def _merge_case(query_len: int, window: int, wave: int | None) -> None:
     """The merge kernel against its reference on random partials: splits a run does not use hold garbage, and
-    rows that saw no key in a split carry (-inf, 0)."""
+    rows that saw no key in a split carry (-inf, 0). ``wave``: runs split in 2 (more past 3 blocks a chunk) of the
+    4 the launch has, by their own length; else in all 4."""
     g = torch.Generator().manual_seed(query_len + window)
     num_splits, num_tokens, hq, d = 4, 5 * query_len, 6, 16
     block = 4 if window else 16  # a window leaves a run few keys: small chunks still split it
@@ -99,10 +119,11 @@ def _merge_case(query_len: int, window: int) -> None:
     part_ml = torch.randn(num_splits, num_tokens, hq, 2, generator=g).abs()
     part_ml[1, :, 0] = torch.tensor([float("-inf"), 0.0])
     outs = [torch.full((num_tokens, hq, d), 7.0) for _ in range(2)]
+    geometry = {"wave_splits": wave, "max_chunk": 3 * block} if wave else {}
     args = (positions, query_len, window, block, block)
-    merge_module.merge_splits(part_acc, part_ml, *args[:1], outs[0], *args[1:])
-    merge_module.merge_splits_ref(part_acc, part_ml, *args[:1], outs[1], *args[1:])
-    _, _, used = merge_module.split_geometry_ref(positions, query_len, window, num_splits, block, block)
+    merge_module.merge_splits(part_acc, part_ml, *args[:1], outs[0], *args[1:], **geometry)
+    merge_module.merge_splits_ref(part_acc, part_ml, *args[:1], outs[1], *args[1:], **geometry)
+    _, _, used = merge_module.split_geometry_ref(positions, query_len, window, num_splits, block, block, **geometry)
     assert (used > 1).any() and (used == 1).any(), used  # both kinds of run
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 

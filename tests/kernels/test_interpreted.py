@@ -17,8 +17,9 @@ def test_kernels_match_references_under_the_interpreter():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.count("ok paged_attention") == 96
-    assert result.stdout.count("ok split paged_attention") == 64 and result.stdout.count("ok merge_splits") == 4
+    assert result.stdout.count("ok split paged_attention") == 64 and result.stdout.count("ok merge_splits") == 8
     assert result.stdout.count("ok tree paged_attention") == 12
+    assert result.stdout.count("ok auto split paged_attention") == 8
     assert result.stdout.count("ok pinned tree paged_attention") == 2
     for rows in (16, None, 128):  # row blocks of 16, the kernel's choice, one program (the wide tile)
         assert result.stdout.count(f"ok wide tree paged_attention rows={rows} ") == 4

@@ -3,6 +3,7 @@ per step or captured graph)."""
 import torch
 
 from tllm_spec.kernels.attention_merge import split_geometry_ref
+from tllm_spec.kernels.attention_plan import wave_splits
 from tllm_spec.kernels.paged_attention import MAX_SPLITS, choose_num_splits, choose_program_rows
 
 
@@ -47,3 +48,18 @@ def test_runs_under_two_minimum_chunks_are_not_split():
     positions = torch.tensor([299, 510, 511, 766, 1000])  # 300, 511, 512, 767 and 1,001 keys
     _, chunk, used = split_geometry_ref(positions, 1, 0, 4, 256, 128)
     assert chunk.tolist() == [256] * 5 and used.tolist() == [1, 1, 2, 3, 4]
+
+
+def test_a_run_splits_by_its_own_length_not_the_launch_bound():
+    # a graph sized for 128k keys at batch 1 (8 programs on 132 SMs: a grid of 64 splits, 33 fill a wave) splits a
+    # 2k run in 8 chunks of 256, an 8k run in 32 of 256 (33 would leave 248-key chunks: rounded up to blocks), a
+    # 32k run in 33 of 1024 and a 128k run in 64 of 2048 (its chunks would pass 2048 keys at 33)
+    positions = torch.tensor([2047, 8191, 32767, 131071])
+    _, chunk, used = split_geometry_ref(positions, 1, 0, 64, 256, 128, wave_splits=33, max_chunk=2048)
+    assert chunk.tolist() == [256, 256, 1024, 2048] and used.tolist() == [8, 32, 32, 64]
+    # batch 8 (64 programs: 4 fill a wave): 8k in 4 chunks of 2048, 32k in 16 of 2048
+    _, chunk, used = split_geometry_ref(torch.tensor([8191, 32767]), 1, 0, 64, 256, 128, wave_splits=4,
+                                        max_chunk=2048)
+    assert chunk.tolist() == [2048, 2048] and used.tolist() == [4, 16]
+    assert wave_splits(num_programs=8, num_sms=132) == 33 and wave_splits(num_programs=64, num_sms=132) == 4
+    assert wave_splits(num_programs=512, num_sms=132) == 1

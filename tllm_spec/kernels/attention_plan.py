@@ -14,18 +14,25 @@ PROGRAM_ROWS = (16, 32)  # query rows a program may take: a wider run (a draft t
 PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
 
 
+def wave_splits(num_programs: int, num_sms: int) -> int:
+    """Splits per run that fill one wave of PROGRAMS_PER_SM programs per SM with ``num_programs`` (run, KV head)
+    programs (rounded down: a few programs over it make a second wave; at batch 8 and 8k keys, 5 splits took
+    100 µs where 4 took 77, scripts/sweep_splits.py). The kernels split each run by this count, more where its
+    chunks would pass MAX_KEYS_PER_SPLIT keys, so a CUDA graph sized for a long bound splits a short run as a
+    launch for that run alone would."""
+    return max(1, PROGRAMS_PER_SM * num_sms // num_programs)
+
+
 def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
-    """KV splits per run where the (request run, KV head) programs do not fill the GPU: enough for
-    PROGRAMS_PER_SM per SM, and chunks of at most MAX_KEYS_PER_SPLIT keys at the longest context ``max_kv_len``
+    """KV splits per run (the launch's grid) where the (request run, KV head) programs do not fill the GPU: enough
+    for PROGRAMS_PER_SM per SM (:func:`wave_splits`), and chunks of at most MAX_KEYS_PER_SPLIT keys at the longest context ``max_kv_len``
     (more programs in flight pay at long context), none shorter than MIN_KEYS_PER_SPLIT, and no split at all for a
     bound under two of those (:mod:`.attention_merge` never splits a run that short). Measured on an H200
     (bf16, 8 KV heads, verify runs of 4): 3.1 TB/s at batch 1 and 32k keys, 3.9 at 128k; at batch 8 and 32k,
     16 splits read 3.9 TB/s where 5 read 3.0."""
     if num_programs >= num_sms:
         return 1
-    # as many splits as fit one wave of PROGRAMS_PER_SM per SM (rounded down: a few programs over it make a second
-    # wave; at batch 8 and 8k keys, 5 splits took 100 µs where 4 took 77, scripts/sweep_splits.py)
-    wanted = max(PROGRAMS_PER_SM * num_sms // num_programs, -(-max_kv_len // MAX_KEYS_PER_SPLIT))
+    wanted = max(wave_splits(num_programs, num_sms), -(-max_kv_len // MAX_KEYS_PER_SPLIT))
     return max(1, min(wanted, MAX_SPLITS, max_kv_len // MIN_KEYS_PER_SPLIT))  # under 2 chunks: never split
 
 

@@ -5,9 +5,11 @@ because its only per-token inputs are device tensors: the request slot and the p
 token. Lengths never reach the host, so the op can sit inside a CUDA graph.
 
 Split-KV (flash-decoding): where a batch has too few (request run, KV head) programs to fill the GPU, each
-run's keys are split over ``num_splits`` programs. The split count is a host value fixed when a step is built
+run's keys are split over ``num_splits`` programs. The split grid is a host value fixed when a step is built
 (or a CUDA graph captured: from the SM count, the runs, the KV heads and the bound on the context); each run's
-chunk is computed on the device from its own length, so one launch (or graph) serves every context length.
+split count and chunk are computed on the device from its own length (as many splits as fill one wave, more for
+chunks past MAX_KEYS_PER_SPLIT keys, :mod:`.attention_merge`), so one launch (or graph) serves every context
+length as a launch sized for that length would.
 The split count is a runtime argument of both kernels (never a compile-time constant), so the steps run
 without a CUDA graph (prefill, mixed steps), whose bound on the context changes from step to step, compile
 nothing new on a request's path. Each split leaves its partial (acc, max, sum) in an fp32 workspace and :mod:`.attention_merge` combines them by
@@ -19,8 +21,15 @@ import torch
 
 from .. import kernels
 from . import dependent_launch
-from .attention_merge import MAX_SPLITS, merge_splits
-from .attention_plan import MIN_KEYS_PER_SPLIT, choose_num_splits, choose_program_rows, num_sms
+from .attention_merge import MAX_SPLITS, NO_MAX_CHUNK, merge_splits
+from .attention_plan import (
+    MAX_KEYS_PER_SPLIT,
+    MIN_KEYS_PER_SPLIT,
+    choose_num_splits,
+    choose_program_rows,
+    num_sms,
+    wave_splits,
+)
 from .kv_write import kv_write_ref
 
 BLOCK_N = 128  # keys per loop iteration of a program with few query rows (attention_tile)
@@ -108,7 +117,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     caller guarantees that every run of ``query_len`` tokens shares one slot; 1 is always correct.
     ``new_kv``: this forward's (k, v) [N, Hkv, D], written into the cache by the same program before it
     attends (one launch instead of two). Only valid when each run holds ALL of its request's new tokens.
-    ``num_splits``: KV splits per run (None: :func:`choose_num_splits`; 1: the unsplit kernel).
+    ``num_splits``: KV splits per run, each long enough run using all of them (None: a grid of
+    :func:`choose_num_splits` for the bound, of which each run uses what :func:`wave_splits` and its own length
+    give; 1: the unsplit kernel).
     ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
     ``tile``: (keys per iteration, warps) of a program (None: :func:`attention_tile`; for benchmarks).
     ``program_rows``: query rows per program at most (None: :func:`choose_program_rows` for a draft tree's run,
@@ -139,8 +150,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows_pad = max(16, triton.next_power_of_2(run_rows))  # one program a run, but for row blocks
     rows_pad = min(rows_pad, program_rows) if program_rows else rows_pad
     row_blocks = triton.cdiv(run_rows, rows_pad)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_runs * row_blocks * num_kv_heads, max_kv_len, num_sms(q.device))
+    if num_splits is None:  # the grid for the bound; each run's own length picks how many of them it uses
+        num_programs, sms = num_runs * row_blocks * num_kv_heads, num_sms(q.device)
+        num_splits = choose_num_splits(num_programs, max_kv_len, sms)
+        wave, max_chunk = wave_splits(num_programs, sms), MAX_KEYS_PER_SPLIT
+    else:  # asked for: every run long enough uses all of them
+        wave, max_chunk = num_splits, NO_MAX_CHUNK
     assert 1 <= num_splits <= MAX_SPLITS
     # partial (acc, max, sum) per split; never read where a run's keys fit one chunk
     part_acc = q.new_empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32)
@@ -152,17 +167,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, block_tables, token_slots, positions, positions if tree_mask is None else tree_mask,
         tree_mask is not None, out, part_acc, part_ml, scale, num_tokens,
         q.stride(0), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits,
+        new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits, wave,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
         QUERY_LEN_PAD=triton.next_power_of_2(query_len), ROWS_PAD=rows_pad, ROW_BLOCKS=row_blocks,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
-        MIN_CHUNK=MIN_KEYS_PER_SPLIT, NUM_STAGES=NUM_STAGES,
+        MIN_CHUNK=MIN_KEYS_PER_SPLIT, MAX_CHUNK=max_chunk, NUM_STAGES=NUM_STAGES,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=num_warps,
         **dependent_launch.launch_options(pdl))
     if num_splits > 1:
         merge_splits(part_acc, part_ml, positions, out, query_len, sliding_window or 0, block_n,
-                     MIN_KEYS_PER_SPLIT, pdl)
+                     MIN_KEYS_PER_SPLIT, pdl, wave, max_chunk)
     return out
 
 
@@ -182,16 +197,17 @@ if triton is not None:
 
     TREE_WINDOW_C = tl.constexpr(TREE_WINDOW)  # the kernel reads globals only as constexprs
 
-    @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+    @triton.jit(do_not_specialize=["num_tokens", "num_splits", "wave_splits"])
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr,
                                 tree_mask_ptr, TREE: tl.constexpr, out_ptr,
                                 part_acc_ptr, part_ml_ptr, scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr,
                                 kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride,
-                                bt_rows, window, num_splits, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                                bt_rows, window, num_splits, wave_splits, PAGE_SIZE: tl.constexpr,
+                                NUM_KV_HEADS: tl.constexpr,
                                 GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, QUERY_LEN_PAD: tl.constexpr,
                                 ROWS_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                                MIN_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
+                                MIN_CHUNK: tl.constexpr, MAX_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
                                 DOT_PRECISION: tl.constexpr,
                                 PDL: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """One program per (run of QUERY_LEN query tokens of one request and block of its rows, KV head, KV
@@ -214,7 +230,8 @@ if triton is not None:
             if PREFETCH_BLOCKS > 0:
                 _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
                              kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
-                             HEAD_DIM_PAD, BLOCK_N, num_splits, MIN_CHUNK, PREFETCH_BLOCKS, KV_LINE)
+                             HEAD_DIM_PAD, BLOCK_N, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, PREFETCH_BLOCKS,
+                             KV_LINE)
             wait_and_release()
         rows = tl.program_id(0) % ROW_BLOCKS * ROWS_PAD + tl.arange(0, ROWS_PAD)
         token = first + rows // GROUP
@@ -223,12 +240,14 @@ if triton is not None:
         if TREE:
             tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=-1)  # [ROWS_PAD] int64
         if ROW_BLOCKS == 1:  # the rows hold every token of the run
-            lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
+            lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, wave_splits, MIN_CHUNK,
+                                                     MAX_CHUNK, BLOCK_N)
         else:  # the split geometry is the whole run's (every row block and the merge agree on it)
             run_token = first + tl.arange(0, QUERY_LEN_PAD)
             run_ok = (tl.arange(0, QUERY_LEN_PAD) < QUERY_LEN) & (run_token < num_tokens)
             run_pos = tl.load(positions_ptr + run_token, mask=run_ok, other=-1).to(tl.int64)
-            lo, last, chunk, num_used = split_bounds(run_pos, run_ok, window, num_splits, MIN_CHUNK, BLOCK_N)
+            lo, last, chunk, num_used = split_bounds(run_pos, run_ok, window, num_splits, wave_splits, MIN_CHUNK,
+                                                     MAX_CHUNK, BLOCK_N)
         start = lo + split * chunk
         stop = split_stop(start, chunk, last, split, num_used)  # this split's keys: [start, stop)
         if WRITE:
@@ -287,8 +306,8 @@ if triton is not None:
     def _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens, kv_head,
                      split, bt_stride, bt_rows, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                      QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, num_splits, MIN_CHUNK: tl.constexpr,
-                     PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, num_splits, wave_splits, MIN_CHUNK: tl.constexpr,
+                     MAX_CHUNK: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """Ask L2 for the K/V rows of head kv_head at the first PREFETCH_BLOCKS * BLOCK_N positions of the
         program's split (its chunk as without a sliding window; only a hint), up to the run's last token's. It
         runs before the wait: the slot is clamped and the block-table columns masked, so even a value the kernel
@@ -296,7 +315,7 @@ if triton is not None:
         last = tl.load(positions_ptr + tl.minimum(first + QUERY_LEN - 1, num_tokens - 1))  # a run's positions rise
         slot = tl.minimum(tl.maximum(tl.load(token_slots_ptr + first).to(tl.int64), 0), bt_rows - 1)
         lines = tl.arange(0, (HEAD_DIM_PAD + KV_LINE - 1) // KV_LINE) * KV_LINE
-        chunk = split_chunk(last + 1, num_splits, MIN_CHUNK, BLOCK_N)
+        chunk = split_chunk(last + 1, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, BLOCK_N)
         start = split * chunk
         for block in tl.static_range(PREFETCH_BLOCKS):
             kpos = start + block * BLOCK_N + tl.arange(0, BLOCK_N)

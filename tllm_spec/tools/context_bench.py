@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from ..config import Eagle3Config, SamplingParams
+from ..config import Eagle3Config, EngineConfig, SamplingParams
 from ..engine.engine import Engine
 from ..engine.request import DecodeTimer, StreamOutput
 from ..model.target import TargetModel
@@ -36,6 +36,7 @@ from .benchmark import force_acceptance, step_bytes
 from .random_models import DRAFT_VOCAB_SIZE, SHAPES, save_random_head
 
 GIB = 2**30
+DEFAULT_CHUNK = EngineConfig.model_fields["max_num_batched_tokens"].default  # prompt tokens a step prefills
 PAGE_SIZE = 16
 MODES = ("none", "eagle3")  # no speculation first: it runs before EAGLE-3 makes the shared target capture layers
 
@@ -86,10 +87,13 @@ def prefill_groups(batch: int, context: int, max_prefill_tokens: int) -> list[ra
     return [range(i, min(i + size, batch)) for i in range(0, batch, size)]
 
 
-def max_new_tokens(batch: int, context: int, new_tokens: int, k: int, max_prefill_tokens: int) -> int:
+def max_new_tokens(batch: int, context: int, new_tokens: int, k: int, max_prefill_tokens: int,
+                   chunk: int = DEFAULT_CHUNK) -> int:
     """What a request may generate: the timed ``new_tokens`` after what it decodes while later prompts prefill
-    (up to K+1 tokens a step; ``new_tokens`` of room for that, and a step per later group)."""
-    return 2 * new_tokens + len(prefill_groups(batch, context, max_prefill_tokens)) * (k + 1)
+    (up to K+1 tokens in each prefill step: a step per ``chunk`` prompt tokens of the batch, and one more per
+    group), with ``new_tokens`` of room besides."""
+    prefill_steps = -(-batch * context // chunk) + len(prefill_groups(batch, context, max_prefill_tokens))
+    return 2 * new_tokens + prefill_steps * (k + 1)
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,8 @@ def measure_context_point(model: SpecModel, batch: int, context: int, new_tokens
     engine, device, k = model.engine, model.device, model.max_draft_len
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.target.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
-    params = SamplingParams(max_new_tokens=max_new_tokens(batch, context, new_tokens, k, max_prefill_tokens),
-                            ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens(batch, context, new_tokens, k, max_prefill_tokens,
+                                                          engine.max_num_batched_tokens), ignore_eos=True)
     _check_room(model, batch, context, params)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
