@@ -255,6 +255,6 @@ def test_schedule_chunks_takes_prompts_fifo_within_the_budget():
 
 
 def test_max_num_batched_tokens_is_validated():
-    assert EngineConfig().max_num_batched_tokens == 8192
+    assert EngineConfig().max_num_batched_tokens == 16384
     with pytest.raises(ValidationError):
         EngineConfig(max_num_batched_tokens=0)

@@ -27,6 +27,7 @@ from .app import DEFAULT_MAX_QUEUE, build_app
 PROG = "tllm-spec"
 DEMO_EAGLE3 = "demo://eagle3"
 DEMO_MODEL_NAME = "tllm-spec-demo"
+SERVE_MAX_NUM_BATCHED_TOKENS = 8192  # prompt tokens a serving step prefills (the offline engine takes 16384)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,8 +63,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    f"{DEMO_MODEL_NAME})")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together (default: the engine's)")
     p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens (default: the target's)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="prompt tokens prefilled per step; longer prompts "
-                   "go in chunks between decode steps (default: the engine's, 8192)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS,
+                   help="prompt tokens prefilled per step; longer prompts go in chunks between decode steps, which "
+                   "wait for each chunk (default: %(default)s, half the offline engine's: a long prompt stalls the "
+                   "streams for half as long)")
     p.add_argument("--scheduler-delay-factor", type=float, help="while requests decode, a new one waits up to this "
                    "many prefill steps' time so that arrivals close together share one prefill step (default: the "
                    "engine's, 0.5; 0: admit at once)")
