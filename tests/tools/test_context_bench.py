@@ -89,19 +89,19 @@ def test_prefill_groups_take_whole_prompts_within_the_budget():
 
 def test_plan_skips_points_whose_kv_does_not_fit_and_sizes_the_pool_for_the_largest_other():
     # K = 3, 128 timed new tokens: a request reserves its prompt, 2 x 128 new tokens and K + 1 for each prefill
-    # step (a step per 8192 prompt tokens of the batch, one more per group) and 7 positions past them, in pages of
-    # 16; the pool has one scratch page more
+    # step (a step per 16384 prompt tokens of the batch, the default chunk, one more per group) and 7 positions
+    # past them, in pages of 16; the pool has one scratch page more
     plan = plan_points([1, 8], [2048, 8192], 128, 3, bytes_per_token=1000, budget_bytes=20e6, max_prefill_tokens=65536)
     assert plan.skipped.keys() == {(8, 8192)}  # 8 x 529 + 1 pages x 16 tokens x 1000 bytes = 67.7 MB
     assert "needs 0.1 GiB" in plan.skipped[(8, 8192)]
-    assert plan.num_pages == 8 * 146 + 1  # batch 8 x ceil((2048 + 256 + 3 x 4 + 7) / 16), above batch 1 x 530
+    assert plan.num_pages == 8 * 145 + 1  # batch 8 x ceil((2048 + 256 + 2 x 4 + 7) / 16), above batch 1 x 530
     assert plan.max_seq_len == 8192 + 256 + 2 * 4
     # four prefill groups: one more step of K + 1 tokens for each
     grouped = plan_points([8], [2048], 128, 3, 1000, 20e6, max_prefill_tokens=4096)
-    assert grouped.num_pages == 8 * 146 + 1 and grouped.max_seq_len == 2048 + 256 + (2 + 4) * 4
-    # a long batch's chunks: 8 x 32k prompt tokens take 32 prefill steps of 8192 (the early requests decode in them)
+    assert grouped.num_pages == 8 * 146 + 1 and grouped.max_seq_len == 2048 + 256 + (1 + 4) * 4
+    # a long batch's chunks: 8 x 32k prompt tokens take 16 prefill steps of 16384 (the early requests decode in them)
     chunked = plan_points([8], [32768], 128, 3, 1000, 1e12, max_prefill_tokens=65536)
-    assert chunked.max_seq_len == 32768 + 256 + (32 + 4) * 4
+    assert chunked.max_seq_len == 32768 + 256 + (16 + 4) * 4
 
 
 @pytest.mark.parametrize("spec", [True, False])

@@ -135,9 +135,13 @@ class _Drive:
 
 @contextlib.contextmanager
 def _driven(engine: Engine) -> Iterator[_Drive]:
-    """Take over ``engine``'s output callback and its ``should_yield`` (stop running ahead) for a :class:`_Drive`;
-    on the way out, requests left are aborted and both are given back."""
-    saved = engine.on_output, engine.should_yield
+    """Take over ``engine``'s output callback and its ``should_yield`` (stop running ahead) for a :class:`_Drive`,
+    with the admission delays off (a group joins at its first step: a delay would time the running requests' decode
+    steps as the group's prefill, and let them finish before the batch is full); on the way out, requests left are
+    aborted and all three are given back."""
+    admission = engine.admission
+    saved = engine.on_output, engine.should_yield, admission.delay_factor, admission.window
+    admission.delay_factor = admission.window = 0.0
     drive = _Drive()
 
     def on_output(out: StreamOutput) -> None:
@@ -153,7 +157,7 @@ def _driven(engine: Engine) -> Iterator[_Drive]:
         with contextlib.suppress(Exception):
             while engine.num_requests:  # an aborted running request leaves at the end of one more step
                 engine.step()
-        engine.on_output, engine.should_yield = saved
+        engine.on_output, engine.should_yield, admission.delay_factor, admission.window = saved
 
 
 def _sync(device: torch.device) -> None:
