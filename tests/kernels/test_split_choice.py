@@ -63,3 +63,9 @@ def test_a_run_splits_by_its_own_length_not_the_launch_bound():
     assert chunk.tolist() == [2048, 2048] and used.tolist() == [4, 16]
     assert wave_splits(num_programs=8, num_sms=132) == 33 and wave_splits(num_programs=64, num_sms=132) == 4
     assert wave_splits(num_programs=512, num_sms=132) == 1
+
+
+def test_the_split_grid_stays_within_a_few_waves():
+    # batch 8 (64 programs, 4 splits a wave): a 128k bound asks for 64 chunks of 2048 keys, the grid takes 16
+    assert choose_num_splits(num_programs=64, max_kv_len=131072, num_sms=132) == 16
+    assert choose_num_splits(num_programs=8, max_kv_len=131072, num_sms=132) == 64  # batch 1: 33 a wave

@@ -12,6 +12,9 @@ MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this costs more in merging than
 MAX_KEYS_PER_SPLIT = 2048
 PROGRAM_ROWS = (16, 32)  # query rows a program may take: a wider run (a draft tree's) is cut into row blocks
 PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
+MAX_GRID_WAVES = 4  # a launch's split grid covers at most this many waves: the programs of splits a short run
+# does not use still take an SM slot each (batch 8, 2k keys: an EAGLE-3 step took 8.18 ms in a grid of 64 splits,
+# sized for a 128k bound, and 6.93 ms in one of 17, for 32k; two H200 runs, scripts/benchmark.py --context)
 
 
 def wave_splits(num_programs: int, num_sms: int) -> int:
@@ -25,14 +28,15 @@ def wave_splits(num_programs: int, num_sms: int) -> int:
 
 def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int) -> int:
     """KV splits per run (the launch's grid) where the (request run, KV head) programs do not fill the GPU: enough
-    for PROGRAMS_PER_SM per SM (:func:`wave_splits`), and chunks of at most MAX_KEYS_PER_SPLIT keys at the longest context ``max_kv_len``
-    (more programs in flight pay at long context), none shorter than MIN_KEYS_PER_SPLIT, and no split at all for a
-    bound under two of those (:mod:`.attention_merge` never splits a run that short). Measured on an H200
-    (bf16, 8 KV heads, verify runs of 4): 3.1 TB/s at batch 1 and 32k keys, 3.9 at 128k; at batch 8 and 32k,
-    16 splits read 3.9 TB/s where 5 read 3.0."""
+    for PROGRAMS_PER_SM per SM (:func:`wave_splits`), and chunks of at most MAX_KEYS_PER_SPLIT keys at the longest
+    context ``max_kv_len`` (more programs in flight pay at long context) within MAX_GRID_WAVES waves, none shorter
+    than MIN_KEYS_PER_SPLIT, and no split at all for a bound under two of those (:mod:`.attention_merge` never
+    splits a run that short). Measured on an H200 (bf16, 8 KV heads, verify runs of 4): 3.1 TB/s at batch 1 and
+    32k keys, 3.9 at 128k; at batch 8 and 32k, 16 splits read 3.9 TB/s where 5 read 3.0."""
     if num_programs >= num_sms:
         return 1
-    wanted = max(wave_splits(num_programs, num_sms), -(-max_kv_len // MAX_KEYS_PER_SPLIT))
+    wave = wave_splits(num_programs, num_sms)
+    wanted = min(max(wave, -(-max_kv_len // MAX_KEYS_PER_SPLIT)), MAX_GRID_WAVES * wave)
     return max(1, min(wanted, MAX_SPLITS, max_kv_len // MIN_KEYS_PER_SPLIT))  # under 2 chunks: never split
 
 

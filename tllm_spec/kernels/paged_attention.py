@@ -226,19 +226,12 @@ if triton is not None:
         first = tl.program_id(0) // ROW_BLOCKS * QUERY_LEN
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        if PDL:
-            if PREFETCH_BLOCKS > 0:
-                _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
-                             kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
-                             HEAD_DIM_PAD, BLOCK_N, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, PREFETCH_BLOCKS,
-                             KV_LINE)
-            wait_and_release()
+        # the run's split geometry from its positions, read before the wait (no kernel writes a step's positions
+        # right before its attention: they feed the rotary embedding of the projection in front of it)
         rows = tl.program_id(0) % ROW_BLOCKS * ROWS_PAD + tl.arange(0, ROWS_PAD)
         token = first + rows // GROUP
         row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)
         pos = tl.load(positions_ptr + token, mask=row_ok, other=-1).to(tl.int64)  # [ROWS_PAD]
-        if TREE:
-            tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=-1)  # [ROWS_PAD] int64
         if ROW_BLOCKS == 1:  # the rows hold every token of the run
             lo, last, chunk, num_used = split_bounds(pos, row_ok, window, num_splits, wave_splits, MIN_CHUNK,
                                                      MAX_CHUNK, BLOCK_N)
@@ -248,6 +241,17 @@ if triton is not None:
             run_pos = tl.load(positions_ptr + run_token, mask=run_ok, other=-1).to(tl.int64)
             lo, last, chunk, num_used = split_bounds(run_pos, run_ok, window, num_splits, wave_splits, MIN_CHUNK,
                                                      MAX_CHUNK, BLOCK_N)
+        if split >= num_used:  # a split this run does not use: gone at once, without waiting for the kernel before
+            return
+        if PDL:
+            if PREFETCH_BLOCKS > 0:
+                _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
+                             kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
+                             HEAD_DIM_PAD, BLOCK_N, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, PREFETCH_BLOCKS,
+                             KV_LINE)
+            wait_and_release()
+        if TREE:
+            tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=-1)  # [ROWS_PAD] int64
         start = lo + split * chunk
         stop = split_stop(start, chunk, last, split, num_used)  # this split's keys: [start, stop)
         if WRITE:
