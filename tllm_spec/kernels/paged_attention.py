@@ -226,6 +226,11 @@ if triton is not None:
         first = tl.program_id(0) // ROW_BLOCKS * QUERY_LEN
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        if PDL and PREFETCH_BLOCKS > 0:  # first: the K/V reads in flight while the kernel in front ends
+            _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
+                         kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
+                         HEAD_DIM_PAD, BLOCK_N, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, PREFETCH_BLOCKS,
+                         KV_LINE)
         # the run's split geometry from its positions, read before the wait (no kernel writes a step's positions
         # right before its attention: they feed the rotary embedding of the projection in front of it)
         rows = tl.program_id(0) % ROW_BLOCKS * ROWS_PAD + tl.arange(0, ROWS_PAD)
@@ -244,11 +249,6 @@ if triton is not None:
         if split >= num_used:  # a split this run does not use: gone at once, without waiting for the kernel before
             return
         if PDL:
-            if PREFETCH_BLOCKS > 0:
-                _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens,
-                             kv_head, split, bt_stride, bt_rows, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM,
-                             HEAD_DIM_PAD, BLOCK_N, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, PREFETCH_BLOCKS,
-                             KV_LINE)
             wait_and_release()
         if TREE:
             tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=-1)  # [ROWS_PAD] int64
