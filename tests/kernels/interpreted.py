@@ -89,13 +89,15 @@ def _split_cases() -> None:
 
 
 def _auto_split_cases() -> None:
-    """The launch's own split choice on a 16-SM device with chunks of 16 to 16 keys: a grid of 10 splits for the
-    bound (160 keys), of which each run uses as many as fill a wave (5) or its keys need (one per 16 keys), so
-    runs of one launch use 1 to 10 splits; the merge agrees with the attention on each run's count."""
+    """The launch's own split choice on an 8-SM device, chunks of 16 to 32 keys: 3 runs x 2 KV heads fill a wave
+    with 2 splits, so the grid for the 160-key bound is 5 splits, of which each run uses 2 (more where its chunks
+    would pass 32 keys: 4 of 16 keys without that choice at 60 keys) up to 5; the attention and the merge must agree
+    on each run's count."""
     saved = attention_module.num_sms, attention_module.MAX_KEYS_PER_SPLIT, plan_module.MAX_KEYS_PER_SPLIT, \
         plan_module.MIN_KEYS_PER_SPLIT
-    attention_module.num_sms = lambda device: 16
-    attention_module.MAX_KEYS_PER_SPLIT = plan_module.MAX_KEYS_PER_SPLIT = plan_module.MIN_KEYS_PER_SPLIT = 16
+    attention_module.num_sms = lambda device: 8
+    attention_module.MAX_KEYS_PER_SPLIT = plan_module.MAX_KEYS_PER_SPLIT = 32
+    plan_module.MIN_KEYS_PER_SPLIT = 16
     try:
         for query_len, window, fused in itertools.product([1, 4], [None, 21], [False, True]):
             _paged_case(query_len, 3, 4, 2, window, fused, None, max_pages=40)

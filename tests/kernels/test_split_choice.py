@@ -52,8 +52,9 @@ def test_runs_under_two_minimum_chunks_are_not_split():
 
 def test_a_run_splits_by_its_own_length_not_the_launch_bound():
     # a graph sized for 128k keys at batch 1 (8 programs on 132 SMs: a grid of 64 splits, 33 fill a wave) splits a
-    # 2k run in 8 chunks of 256, an 8k run in 32 of 256 (33 would leave 248-key chunks: rounded up to blocks), a
-    # 32k run in 33 of 1024 and a 128k run in 64 of 2048 (its chunks would pass 2048 keys at 33)
+    # 2k run in 8 chunks of 256; an 8k run in 32 of 256 (33 splits would leave 249-key chunks, raised to the
+    # 256-key minimum); a 32k run in 32 of 1024 (33 splits leave 993-key chunks, rounded up to blocks); a 128k run
+    # in 64 of 2048 (its chunks would pass 2048 keys at 33)
     positions = torch.tensor([2047, 8191, 32767, 131071])
     _, chunk, used = split_geometry_ref(positions, 1, 0, 64, 256, 128, wave_splits=33, max_chunk=2048)
     assert chunk.tolist() == [256, 256, 1024, 2048] and used.tolist() == [8, 32, 32, 64]

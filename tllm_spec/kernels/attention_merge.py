@@ -1,16 +1,16 @@
-"""Merge of split-KV attention partials by log-sum-exp (the second kernel of :mod:`.paged_attention`'s split
-path), and the split geometry both kernels compute on the device from a run's positions.
+"""Merge of split-KV attention partials by log-sum-exp (the second kernel of :mod:`.paged_attention`'s split path),
+and the split geometry both kernels compute on the device from a run's positions.
 
-A run of ``query_len`` query tokens of one request attends to keys ``[lo, last]`` (``last``: its highest
-position; ``lo``: 0, or the sliding window's first block). Those keys are cut into chunks of whole key blocks,
-at least ``min_chunk`` long, into as many splits as the launch fills one wave of the GPU with (``wave_splits``)
-or more where chunks would pass ``max_chunk`` keys, never more than the launch's ``num_splits``: so a run's split
-count follows its own length, not the bound the launch (a CUDA graph) was sized for. Split ``s`` holds
-``[lo + s * chunk, lo + (s + 1) * chunk)``, the last used one up to ``last``. A run of fewer than two minimum chunks is never split: its first
-split takes all its keys, so at short contexts nothing is merged (a split for a few keys past ``min_chunk`` cost
-more in the merge than it saved). Split ``s`` leaves acc (unnormalised), max and sum per (token, query head); the
-merge rescales each by ``exp(max_s - max)`` and divides. A run that needs one chunk only is finished by its split 0
-and skipped here.
+A run of ``query_len`` query tokens of one request attends to keys ``[lo, last]`` (``last``: its highest position;
+``lo``: 0, or the sliding window's first block). Those keys are cut into chunks of whole key blocks, at least
+``min_chunk`` long, into as many splits as the launch fills one wave of the GPU with (``wave_splits``) or more where
+chunks would pass ``max_chunk`` keys, never more than the launch's ``num_splits``: so a run's split count follows
+its own length, not the bound the launch (a CUDA graph) was sized for. Split ``s`` holds ``[lo+s*chunk,
+lo+(s+1)*chunk)``, the last used one up to ``last``. A run of fewer than two minimum chunks is never split: its
+first split takes all its keys, so at short contexts nothing is merged (a split for a few keys past ``min_chunk``
+cost more in the merge than it saved). Split ``s`` leaves acc (unnormalised), max and sum per (token, query head);
+the merge rescales each by ``exp(max_s - max)`` and divides. A run that needs one chunk only is finished by its
+split 0 and skipped here.
 """
 from __future__ import annotations
 

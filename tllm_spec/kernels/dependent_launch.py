@@ -4,8 +4,11 @@ A dependent kernel is scheduled while the kernel before it still runs. It first 
 that kernel writes (the attention asks L2 for cached K/V it will read: :func:`prefetch_l2`), then waits for the
 kernel's results (``gdc_wait``) and at once lets the next kernel launch. Within a CUDA graph this hides most of
 the gap between consecutive kernels of a one-request step, and fills the memory system while small kernels
-(norms, attention over a short context) run. Every kernel launched this way waits before it reads or writes
-anything else, so it never overlaps more than its predecessor's tail; a prefetch only moves data into L2.
+(norms, attention over a short context) run. Every kernel launched this way waits before it writes anything
+or reads what the kernel in front may write, so it never overlaps more than its predecessor's tail; a prefetch only
+moves data into L2. The paged attention also reads the step's positions before its wait (a split a run does not use
+exits there): no step writes positions in the kernel right before an attention (a chain's positions feed the
+rotary embedding in front of it; a draft tree's attention follows its own KV-write kernel).
 """
 from __future__ import annotations
 

@@ -1,19 +1,19 @@
 """Paged causal attention: each query token attends to its request's cached positions <= its own.
 
-One op covers K+1-token verification and 1-token draft steps (and, in the reference, ragged prefill),
-because its only per-token inputs are device tensors: the request slot and the position of every query
-token. Lengths never reach the host, so the op can sit inside a CUDA graph.
+One op covers K+1-token verification and 1-token draft steps (and, in the reference, ragged prefill), because its
+only per-token inputs are device tensors: the request slot and the position of every query token. Lengths never
+reach the host, so the op can sit inside a CUDA graph.
 
-Split-KV (flash-decoding): where a batch has too few (request run, KV head) programs to fill the GPU, each
-run's keys are split over ``num_splits`` programs. The split grid is a host value fixed when a step is built
-(or a CUDA graph captured: from the SM count, the runs, the KV heads and the bound on the context); each run's
-split count and chunk are computed on the device from its own length (as many splits as fill one wave, more for
-chunks past MAX_KEYS_PER_SPLIT keys, :mod:`.attention_merge`), so one launch (or graph) serves every context
-length as a launch sized for that length would.
-The split count is a runtime argument of both kernels (never a compile-time constant), so the steps run
-without a CUDA graph (prefill, mixed steps), whose bound on the context changes from step to step, compile
-nothing new on a request's path. Each split leaves its partial (acc, max, sum) in an fp32 workspace and :mod:`.attention_merge` combines them by
-log-sum-exp; a run whose keys fit one chunk is finished by its first split and skipped by the merge.
+Split-KV (flash-decoding): where a batch has too few (request run, KV head) programs to fill the GPU, each run's
+keys are split over ``num_splits`` programs. The split grid is a host value fixed when a step is built (or a CUDA
+graph captured: from the SM count, the runs, the KV heads and the bound on the context); each run's split count and
+chunk are computed on the device from its own length (as many splits as fill one wave, more for chunks past
+MAX_KEYS_PER_SPLIT keys, :mod:`.attention_merge`), so one launch (or graph) serves every context length as a launch
+sized for that length would. The split count is a runtime argument of both kernels (never a compile-time constant),
+so the steps run without a CUDA graph (prefill, mixed steps), whose bound on the context changes from step to step,
+compile nothing new on a request's path. Each split leaves its partial (acc, max, sum) in an fp32 workspace and
+:mod:`.attention_merge` combines them by log-sum-exp; a run whose keys fit one chunk is finished by its first split
+and skipped by the merge.
 """
 from __future__ import annotations
 
@@ -22,14 +22,8 @@ import torch
 from .. import kernels
 from . import dependent_launch
 from .attention_merge import MAX_SPLITS, NO_MAX_CHUNK, merge_splits
-from .attention_plan import (
-    MAX_KEYS_PER_SPLIT,
-    MIN_KEYS_PER_SPLIT,
-    choose_num_splits,
-    choose_program_rows,
-    num_sms,
-    wave_splits,
-)
+from .attention_plan import (MAX_KEYS_PER_SPLIT, MIN_KEYS_PER_SPLIT, choose_num_splits, choose_program_rows, num_sms,
+                             wave_splits)
 from .kv_write import kv_write_ref
 
 BLOCK_N = 128  # keys per loop iteration of a program with few query rows (attention_tile)
@@ -232,7 +226,8 @@ if triton is not None:
                          HEAD_DIM_PAD, BLOCK_N, num_splits, wave_splits, MIN_CHUNK, MAX_CHUNK, PREFETCH_BLOCKS,
                          KV_LINE)
         # the run's split geometry from its positions, read before the wait (no kernel writes a step's positions
-        # right before its attention: they feed the rotary embedding of the projection in front of it)
+        # right before its attention: a chain's feed the rotary embedding of the projection in front of it, a draft
+        # tree's attention follows its KV-write kernel; dependent_launch)
         rows = tl.program_id(0) % ROW_BLOCKS * ROWS_PAD + tl.arange(0, ROWS_PAD)
         token = first + rows // GROUP
         row_ok = (rows < QUERY_LEN * GROUP) & (token < num_tokens)

@@ -153,22 +153,22 @@ def flashinfer_prefill_run(shape: VerifyShape, inputs: VerifyInputs) -> Run:
     b, pages, i32 = shape.batch, shape.pages_per_request, torch.int32
     failures = []
     for backend in ("auto", "fa2"):
-        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-            torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD", backend=backend)
         try:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device), "NHD", backend=backend)
             wrapper.plan(torch.arange(b + 1, dtype=i32, device=device) * shape.query_len,  # qo_indptr
                          torch.arange(b + 1, dtype=i32, device=device) * pages,  # kv_indptr
                          inputs.block_tables.flatten(),  # kv_indices
                          torch.full((b,), shape.kv_len - (pages - 1) * shape.page_size, dtype=i32, device=device),
                          shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.page_size, causal=True,
                          sm_scale=inputs.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        except RuntimeError as err:  # a JIT build that fails (e.g. headers a trimmed install lacks)
-            failures.append(f"{backend}: {_reason(err)}")
+        except (RuntimeError, TypeError) as err:  # a JIT build that fails (headers a trimmed install lacks), an
+            failures.append(f"{backend}: {_reason(err)}")  # older wrapper without the keyword
             continue
 
         def run(i: int, wrapper=wrapper) -> torch.Tensor:
             return wrapper.run(inputs.q, inputs.caches[i])
-        run.backend = backend
+        run.backend = getattr(wrapper, "_backend", backend)  # "auto" resolved by plan() where the wrapper says
         return run
     raise Unavailable("; ".join(failures))
 
