@@ -114,10 +114,9 @@ if triton is not None:
 
     @triton.jit
     def split_stop(start, chunk, last, split, num_used):
-        """The end (exclusive) of split ``split``'s keys from ``start``: a chunk on, ``last + 1`` for the last
-        used split (a run's only split takes all its keys), ``start`` (none) for a split the run does not use."""
-        stop = tl.where(split == num_used - 1, last + 1, tl.minimum(start + chunk, last + 1))
-        return tl.where(split < num_used, stop, start)
+        """The end (exclusive) of used split ``split``'s keys from ``start``: a chunk on, ``last + 1`` for the last
+        (a run's only split takes all its keys)."""
+        return tl.where(split == num_used - 1, last + 1, tl.minimum(start + chunk, last + 1))
 
     @triton.jit(do_not_specialize=["num_tokens", "num_splits", "wave_splits"])
     def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, positions_ptr, out_ptr, num_tokens, window, num_splits,

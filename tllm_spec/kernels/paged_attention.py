@@ -291,15 +291,14 @@ if triton is not None:
         head_rows = token.to(tl.int64) * NUM_KV_HEADS * GROUP + kv_head * GROUP + rows % GROUP  # [ROWS_PAD]
         tile = head_rows[:, None] * HEAD_DIM + dims[None, :]
         tile_ok = row_ok[:, None] & dim_ok[None, :]
-        if num_used == 1:  # the whole run in one chunk (split 0): finish here, the merge skips it
+        if num_used == 1:  # the whole run in one chunk (split 0, the only program left): finish here
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=tl.where(split == 0, tile_ok, False))
-        else:
-            used = split < num_used
+            tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        else:  # a used split (the others exited above): its partial for the merge
             part = split.to(tl.int64) * num_tokens * NUM_KV_HEADS * GROUP
-            tl.store(part_acc_ptr + part * HEAD_DIM + tile, acc, mask=tl.where(used, tile_ok, False))
-            tl.store(part_ml_ptr + (part + head_rows) * 2, m_i, mask=tl.where(used, row_ok, False))
-            tl.store(part_ml_ptr + (part + head_rows) * 2 + 1, l_i, mask=tl.where(used, row_ok, False))
+            tl.store(part_acc_ptr + part * HEAD_DIM + tile, acc, mask=tile_ok)
+            tl.store(part_ml_ptr + (part + head_rows) * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + (part + head_rows) * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
     def _prefetch_kv(k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first, num_tokens, kv_head,
