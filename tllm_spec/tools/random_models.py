@@ -5,6 +5,7 @@ without a download) and the demo recipe.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -75,11 +76,13 @@ def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = 
 
 
 def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
-                      device: str, seed: int = 0, spec_fields: dict | None = None, **engine_kwargs):
+                      device: str, seed: int = 0, spec_fields: dict | None = None, marks: dict | None = None,
+                      **engine_kwargs):
     """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
     "eagle3" (a random head written to ``workdir`` and loaded through the real loader) or "none". With
     ``tensor_parallel_size=N`` in ``engine_kwargs`` (under torchrun) each rank draws only its shards.
-    ``spec_fields``: more Eagle3Config fields (a draft tree)."""
+    ``spec_fields``: more Eagle3Config fields (a draft tree). ``marks``: gets the wall time (time.time()) at which
+    the target and the draft checkpoint were ready (start-up's build phases)."""
     from ..config import Eagle3Config
     from ..distributed.parallel import TensorParallel, local_process_device
     from ..model.target import TargetModel
@@ -90,11 +93,14 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
     parallel = TensorParallel.setup(tp_size, torch.device(device)) if tp_size > 1 else None
     device = local_process_device(torch.device(device)) if parallel else device
     target = TargetModel.from_config(config, dtype, device, seed, parallel)
+    marks = {} if marks is None else marks
+    marks["target"] = time.time()
     spec_config = None
     if spec == "eagle3":  # the released heads of 8B-class targets draft over 32000 tokens (a d2t-mapped subset)
         head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1,
                                 draft_vocab_size=min(config.vocab_size, DRAFT_VOCAB_SIZE))
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len, **(spec_fields or {}))
+        marks["draft_checkpoint"] = time.time()
     elif spec != "none":
         raise ValueError(f"spec must be 'eagle3' or 'none', got {spec!r}")
     return SpecModel.from_target(target, spec_config, **engine_kwargs)

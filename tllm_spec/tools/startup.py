@@ -41,6 +41,15 @@ def num_triton_variants(package: str = "tllm_spec") -> int | None:
         return None
 
 
+def dynamo_phase_seconds(at_least: float = 0.05) -> dict[str, float]:
+    """torch.compile's time so far by phase (Dynamo's own aggregate: tracing, AOT, Inductor, cache loads), the
+    phases of at least ``at_least`` seconds; what a warm-up's compile time is made of."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {name: round(float(v), 2) for name, v in zip(names, values) if float(v) >= at_least}
+
+
 def mixed_params(size: int, guided: bool) -> list:
     """``size`` requests cycling through greedy, sampled, seeded sampled (and JSON-guided) parameters."""
     from ..config import SamplingParams
@@ -60,10 +69,13 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     from .random_models import random_spec_model
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = random_spec_model(shape, "eagle3", 3, tempfile.mkdtemp(), dtype, device, max_batch_size=max_batch_size)
+    marks: dict[str, float] = {}
+    model = random_spec_model(shape, "eagle3", 3, tempfile.mkdtemp(), dtype, device, marks=marks,
+                              max_batch_size=max_batch_size)
     built = time.time()
     graphs = model.warmup()
     ready = time.time()
+    compile_phases = dynamo_phase_seconds()
     compiles, captured, variants = num_compiled_graphs(), graphs, num_triton_variants()
     guided = model.runner.enable_guided_decoding() is None if model.tokenizer is not None else False
     vocab = model.target.vocab_size
@@ -74,7 +86,8 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     captures = [] if graph_runner is None else [
         {"batch": key[0], "draft_len": key[1], "variant": variant_name(key[3:]), "seconds": round(seconds, 2)}
         for key, seconds in graph_runner.capture_seconds.items()]
-    result = {"start": START, "imported": imported, "built": built, "ready": ready,
+    result = {"start": START, "imported": imported, **{f"{name}_built": t for name, t in marks.items()},
+              "built": built, "ready": ready, "compile_phases_s": compile_phases,
               "graphs_at_ready": captured, "compiles_at_ready": compiles,
               "compiles_after_ready": num_compiled_graphs() - compiles,
               "captures_after_ready": (len(graph_runner.graphs) - captured) if graph_runner is not None else 0,
@@ -96,9 +109,12 @@ def run_child(shape: str, max_batch_size: int, device: str, cache_dir: Path, tim
                        env=env, check=True, timeout=timeout_s)
         result = json.loads(out.read_text())
     result["ready_s"] = result["ready"] - spawned
-    result["phases_s"] = {"interpreter_and_imports": result["imported"] - spawned,
-                          "build_model": result["built"] - result["imported"],
-                          "warmup": result["ready"] - result["built"]}
+    marks = [("interpreter_and_imports", "imported"), ("build_target", "target_built"),
+             ("write_draft_checkpoint", "draft_checkpoint_built"), ("build_spec_model", "built"), ("warmup", "ready")]
+    result["phases_s"], last = {}, spawned
+    for phase, mark in marks:
+        if mark in result:
+            result["phases_s"][phase], last = result[mark] - last, result[mark]
     return result
 
 
