@@ -19,7 +19,7 @@ pytest.importorskip("llguidance")
 def _model(spec, eager):
     target, _ = tiny_guided_pair()
     return SpecModel.from_pretrained(target, spec, dtype=torch.float32, device="cuda", max_batch_size=4,
-                                     enforce_eager=eager)
+                                     enforce_eager=eager, compile_step=False)
 
 
 def test_graphed_guided_speculation_equals_eager_plain():

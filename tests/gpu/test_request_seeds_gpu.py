@@ -19,7 +19,7 @@ def _model(rejection: bool, eager: bool) -> SpecModel:
     target, head = tiny_pair("llama")
     cfg = Eagle3Config(speculative_model=str(head), max_draft_len=3, use_rejection_sampling=rejection)
     return SpecModel.from_pretrained(target, cfg, dtype=torch.float32, device="cuda", max_batch_size=8,
-                                     enforce_eager=eager)
+                                     enforce_eager=eager, compile_step=False)
 
 
 @pytest.mark.parametrize("rejection", [False, True])

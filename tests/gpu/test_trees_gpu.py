@@ -1,5 +1,6 @@
-"""Draft trees on the GPU, graphed (buckets captured, steps run ahead, the step compiled whole on a fused target)
-and eager: greedy output equals plain decoding, and seeded sampled requests (rejection sampling) equal eager's.
+"""Draft trees on the GPU, graphed (buckets captured, steps run ahead; eager kernels captured, sparing each test a
+torch.compile: tests/engine/test_step_graph.py traces the tree steps) and eager: greedy output equals plain decoding,
+and seeded sampled requests (rejection sampling) equal eager's.
 """
 import pytest
 import torch
@@ -21,7 +22,7 @@ def _model(tree: str | None, eager: bool, dtype=torch.float32) -> SpecModel:
     spec = None if tree is None else Eagle3Config(speculative_model="demo://eagle3", use_rejection_sampling=True,
                                                   **TREES[tree])
     return SpecModel.from_pretrained("demo://target", spec, dtype=dtype, device="cuda", max_batch_size=4,
-                                     enforce_eager=eager)
+                                     enforce_eager=eager, compile_step=False)
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])

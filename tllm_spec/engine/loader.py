@@ -17,6 +17,7 @@ from ..drafts.mtp.worker import build_mtp_worker
 from ..drafts.plain import PlainWorker
 from ..model.target import TargetModel
 from ..modes import SpeculativeDecodingMode
+from ..sampling import flashinfer_ops
 from ..tokenizer import load_tokenizer
 from .runner import ModelRunner
 
@@ -34,6 +35,8 @@ def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: t
     device = resolve_device(device)
     parallel = _tensor_parallel(engine_config, spec_config, device)
     device = local_process_device(device) if parallel else device
+    flashinfer_ops.start_sampling_build(device)  # every worker samples with FlashInfer on CUDA: its JIT build
+    # (a minute or more on a fresh machine) runs beside the loading of the weights and the draft
     if str(target_dir) == DEMO_TARGET and isinstance(spec_config, MTPConfig) and spec_config.mtp_checkpoint is None:
         spec_config = spec_config.model_copy(update={"mtp_checkpoint": DEMO_MTP})  # shipped beside the target
     target_dir = demo.resolve(target_dir)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import time
 import types
 import warnings
 
@@ -48,6 +49,7 @@ def available(device: torch.device) -> bool:
 
 _build_lock = threading.Lock()
 _build_thread: threading.Thread | None = None
+BUILD_TIMES: dict[str, float] = {}  # wall times (time.time()) the background build "began" and "ended"
 
 
 def start_sampling_build(device: torch.device) -> None:
@@ -66,10 +68,13 @@ def start_sampling_build(device: torch.device) -> None:
 
 
 def _build_sampling_module(fi: types.ModuleType) -> None:
+    BUILD_TIMES["began"] = time.time()
     try:
         fi.sampling.get_sampling_module()
     except Exception as err:  # reported again, with its trace, by the first sampling call that needs it
         warnings.warn(f"FlashInfer's sampling module failed to build in the background: {err}", stacklevel=1)
+    finally:
+        BUILD_TIMES["ended"] = time.time()
 
 
 def wait_sampling_build() -> None:

@@ -60,14 +60,17 @@ def save_random_target(path: str | Path, config: PretrainedConfig, seed: int = 0
 
 
 def random_head_for(config: PretrainedConfig, draft_vocab_size: int | None = None, seed: int = 0,
-                    aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Checkpoint:
-    """A random EAGLE-3 head shaped for ``config``'s target (same hidden size and attention shape)."""
+                    aux_layer_ids: tuple[int, ...] | None = None, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Eagle3Checkpoint:
+    """A random EAGLE-3 head shaped for ``config``'s target (same hidden size and attention shape), drawn on
+    ``device``, held in ``dtype``."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return random_eagle3_checkpoint(
         hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=head_dim,
         intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-        draft_vocab_size=draft_vocab_size or config.vocab_size, seed=seed, aux_layer_ids=aux_layer_ids)
+        draft_vocab_size=draft_vocab_size or config.vocab_size, seed=seed, aux_layer_ids=aux_layer_ids,
+        device=device, dtype=dtype)
 
 
 def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = "eagle", **kwargs) -> Path:
@@ -86,19 +89,22 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
     from ..config import Eagle3Config
     from ..distributed.parallel import TensorParallel, local_process_device
     from ..model.target import TargetModel
+    from ..sampling import flashinfer_ops
     from ..spec_model import SpecModel
 
     config = AutoConfig.for_model("llama" if shape != "qwen3-8b" else "qwen3", **SHAPES[shape])
     tp_size = engine_kwargs.get("tensor_parallel_size", 1)
     parallel = TensorParallel.setup(tp_size, torch.device(device)) if tp_size > 1 else None
     device = local_process_device(torch.device(device)) if parallel else device
+    flashinfer_ops.start_sampling_build(torch.device(device))  # as SpecModel.from_pretrained does before loading
     target = TargetModel.from_config(config, dtype, device, seed, parallel)
     marks = {} if marks is None else marks
     marks["target"] = time.time()
     spec_config = None
     if spec == "eagle3":  # the released heads of 8B-class targets draft over 32000 tokens (a d2t-mapped subset)
         head = save_random_head(Path(workdir) / f"{shape}-eagle3", config, seed=seed + 1,
-                                draft_vocab_size=min(config.vocab_size, DRAFT_VOCAB_SIZE))
+                                draft_vocab_size=min(config.vocab_size, DRAFT_VOCAB_SIZE), device=str(device),
+                                dtype=dtype)
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len, **(spec_fields or {}))
         marks["draft_checkpoint"] = time.time()
     elif spec != "none":
@@ -110,8 +116,11 @@ def random_eagle3_checkpoint(
     hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
     intermediate_size: int, vocab_size: int, draft_vocab_size: int, target_hidden_size: int | None = None,
     rope_theta: float = 10000.0, seed: int = 0, aux_layer_ids: tuple[int, ...] | list[int] | None = None,
+    device: str = "cpu", dtype: torch.dtype = torch.float32,
 ) -> Eagle3Checkpoint:
-    """A random float32 head: weights ~ N(0, 0.02), norms 1 + N(0, 0.02), d2t onto a sorted random subset."""
+    """A random head: weights ~ N(0, 0.02), norms 1 + N(0, 0.02), d2t onto a sorted random subset; drawn on
+    ``device`` (a GPU draws an 8B target's head in milliseconds, the CPU in seconds), held on the CPU in
+    ``dtype``."""
     hparams = dict(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
         head_dim=head_dim, intermediate_size=intermediate_size, rope_theta=rope_theta, rms_norm_eps=1e-5,
@@ -121,13 +130,14 @@ def random_eagle3_checkpoint(
         head_llama_config(hparams, vocab_size), draft_vocab_size, target_hidden_size or hidden_size,
         tuple(aux_layer_ids) if aux_layer_ids is not None else None, False, False, "eagle",
     )
-    g = torch.Generator().manual_seed(seed)
-    state = {name: _random_tensor(name, shape, g) for name, (shape, _) in expected_shapes(config).items()}
-    target_ids = torch.randperm(vocab_size, generator=g)[:draft_vocab_size].sort().values
+    g = torch.Generator(device).manual_seed(seed)
+    state = {name: _random_tensor(name, shape, g).to("cpu", dtype)
+             for name, (shape, _) in expected_shapes(config).items()}
+    target_ids = torch.randperm(vocab_size, generator=g, device=device)[:draft_vocab_size].sort().values.cpu()
     state["d2t"] = target_ids - torch.arange(draft_vocab_size)  # [draft_vocab] int64 offsets
     return Eagle3Checkpoint(config, state)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    noise = 0.02 * torch.randn(shape, generator=g)
+    noise = 0.02 * torch.randn(shape, generator=g, device=g.device)
     return 1.0 + noise if name.endswith("norm.weight") else noise

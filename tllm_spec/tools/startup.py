@@ -5,7 +5,8 @@ The parent (:func:`run_startup`, ``scripts/benchmark.py --startup``) starts this
 twice with ``TLLM_SPEC_CACHE_DIR`` pointing at a new directory (Inductor's, Triton's and FlashInfer's caches all
 under it, :mod:`tllm_spec.caches`). The child times its phases: interpreter and imports, building the model
 (random weights of a named shape, an EAGLE-3 head), :meth:`SpecModel.warmup` (compiles, graph captures and
-FlashInfer's sampling build); "ready" is the end of the warm-up. It then serves a batch mixing greedy, sampled and
+FlashInfer's sampling build); "ready" is the end of the warm-up. The JSON names the build's phases, torch.compile's
+time by phase and when FlashInfer's background build began and ended. It then serves a batch mixing greedy, sampled and
 seeded requests (and guided ones where llguidance is installed) at every batch bucket and counts what that
 compiled or captured: a request path that compiles shows up as ``compiles_after_ready > 0`` (torch.compile) or
 ``triton_variants_after_ready > 0`` (a Triton kernel specialised anew).
@@ -86,7 +87,9 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     captures = [] if graph_runner is None else [
         {"batch": key[0], "draft_len": key[1], "variant": variant_name(key[3:]), "seconds": round(seconds, 2)}
         for key, seconds in graph_runner.capture_seconds.items()]
+    from ..sampling.flashinfer_ops import BUILD_TIMES
     result = {"start": START, "imported": imported, **{f"{name}_built": t for name, t in marks.items()},
+              **{f"flashinfer_build_{name}": t for name, t in BUILD_TIMES.items()},
               "built": built, "ready": ready, "compile_phases_s": compile_phases,
               "graphs_at_ready": captured, "compiles_at_ready": compiles,
               "compiles_after_ready": num_compiled_graphs() - compiles,
@@ -115,6 +118,9 @@ def run_child(shape: str, max_batch_size: int, device: str, cache_dir: Path, tim
     for phase, mark in marks:
         if mark in result:
             result["phases_s"][phase], last = result[mark] - last, result[mark]
+    if "flashinfer_build_ended" in result:  # the sampling JIT build (or cache load), beside the phases above
+        result["flashinfer_build_s"] = {"began_after_spawn": result["flashinfer_build_began"] - spawned,
+                                        "took": result["flashinfer_build_ended"] - result["flashinfer_build_began"]}
     return result
 
 
