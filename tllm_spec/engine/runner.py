@@ -243,13 +243,12 @@ class ModelRunner:
         self.spec_metadata.prepare(params, context_lens, k, next_k)
         self.spec_metadata.prepare_chunks(context_starts, context_next_tokens)
         device = self.device
-        attn = AttentionMetadata.build(self.kv_cache, torch.tensor(slots, device=device),
-                                       torch.tensor(positions, device=device),
+        attn = AttentionMetadata.build(self.kv_cache, to_device(slots, device), to_device(positions, device),
                                        max(positions) + 2 * self.max_draft_len + 2, context_lens,
                                        tokens_per_request=k + 1, context_starts=context_starts)
         attn = self.worker.verify_metadata(attn, sum(context_lens), num_gen, k)
-        draft_tokens = torch.tensor(drafts, dtype=torch.int64, device=device).view(num_gen, k)
-        return self.model.packed_forward(torch.tensor(ids, device=device), attn, draft_tokens)
+        draft_tokens = to_device(drafts, device).view(num_gen, k)
+        return self.model.packed_forward(to_device(ids, device), attn, draft_tokens)
 
     def can_run_next(self) -> bool:
         """Whether the last step may be followed by :meth:`run_next`: a graphed step that keeps its draft length,
@@ -269,6 +268,13 @@ class ModelRunner:
             shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config.kv_cache_fraction,
             self.device, dtype)
         return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, dtype, self.device)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on ``device``, without waiting for the device: torch.tensor(...,
+    device=...) synchronises the stream, so a prompt step launched behind a decoders' graph would wait for the
+    graph before launching anything (a copy from pageable memory is staged before the call returns)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _auto_num_pages(shapes: list[tuple[int, int]], page_size: int, wanted: int, kv_cache_fraction: float,

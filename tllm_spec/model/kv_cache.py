@@ -67,7 +67,7 @@ class KVCache:
         self._pages[slot] = pages
         row = torch.full((self.max_pages_per_request,), SCRATCH_PAGE, dtype=torch.int32)
         row[:num] = torch.tensor(pages, dtype=torch.int32)
-        self.block_tables[slot].copy_(row)
+        self.block_tables[slot].copy_(row, non_blocking=True)  # stream-ordered: no wait for a step in flight
         return slot
 
     def free(self, slot: int) -> None:

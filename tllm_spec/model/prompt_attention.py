@@ -149,8 +149,8 @@ _VARLEN = _varlen_attn()
 @functools.lru_cache(maxsize=4)
 def _cumulative_lengths(lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[0, l0, l0 + l1, ...] int32 on ``device``: built once per step's prompt lengths, not in every layer (never
-    written to)."""
-    return torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32, device=device)
+    written to); copied without waiting for the device (the stream keeps the order)."""
+    return torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32).to(device, non_blocking=True)
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...],
