@@ -4,8 +4,10 @@ this process, the load generator ``tllm-spec bench-serve`` in a child process so
 other's interpreter).
 
 Reported: offline step time, tokens per step and their ratio (the time per output token a lone stream can
-reach), offline generate() throughput at a concurrency's batch, and the server's TPOT and output throughput at
-each concurrency, with the ratios the serving targets name.
+reach) at a concurrency's batch; offline generate() throughput over the same prompts the server serves (with
+max_batch_size = the concurrency, so requests join as others finish, as on the server) and over one batch of
+``concurrency`` prompts at once; the server's TPOT and output throughput at each concurrency, with the ratios the
+serving targets name (``server_over_offline_throughput``: the same prompts).
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def offline(model: SpecModel, prompts: list[list[int]], output_len: int) -> dict
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     step_ms, per_step = outs.stats["step_ms"], outs.stats["mean_accepted_length"]
-    return {"batch": len(prompts), "output_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+    return {"prompts": len(prompts), "output_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "step_ms": step_ms, "tokens_per_step": per_step, "step_ms_per_token": step_ms / per_step}
 
 
@@ -106,18 +108,21 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     for c in concurrencies:
         prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
         ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
+        same = offline(model, prompts, output_len) if c == max(concurrencies) else None  # c requests at a time
         for factor in factors:
             model.loop.call(lambda f=factor: setattr(model.engine.admission, "delay_factor", f))
             bench_serve(url, c, c, input_len, output_len, vocab, out_dir, "warmup")  # first-time costs, not timed
             report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir,
                                  f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}")
             summary = report["summary"]
-            result["points"].append({"concurrency": c, "scheduler_delay_factor": factor, "offline": ref,
-                                     "server": summary,
-                                     "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"]
-                                     / ref["step_ms_per_token"],
-                                     "server_over_offline_throughput": summary["output_throughput"]
-                                     / ref["tokens_per_second"]})
+            point = {"concurrency": c, "scheduler_delay_factor": factor, "offline": ref, "server": summary,
+                     "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"] / ref["step_ms_per_token"],
+                     "server_over_offline_one_batch_throughput": summary["output_throughput"]
+                     / ref["tokens_per_second"]}
+            if same is not None:
+                point["offline_same_prompts"] = same
+                point["server_over_offline_throughput"] = summary["output_throughput"] / same["tokens_per_second"]
+            result["points"].append(point)
             print(json.dumps({k: v for k, v in result["points"][-1].items() if k != "server"}), flush=True)
             (out_dir / "serving_vs_offline.json").write_text(json.dumps(result, indent=1))
     server.should_exit = True
