@@ -63,7 +63,7 @@ def start_sampling_build(device: torch.device) -> None:
     with _build_lock:
         if _build_thread is None:
             # nvcc optimises the module's kernels on parallel threads unless the user set FlashInfer's extra flags
-            # (its sampling build: 96 s -> 60 s on a 16-core H200 host); the generated code is nvcc's own either way
+            # (its sampling build: 96 s -> 60 s on a 16-core H200 host)
             os.environ.setdefault("FLASHINFER_EXTRA_CUDAFLAGS", "--split-compile=0")
             fi = load_flashinfer()  # imported here, on the caller's thread; the thread only builds
             _build_thread = threading.Thread(target=_build_sampling_module, args=(fi,), daemon=True,
