@@ -102,7 +102,8 @@ class DynamicTreeStep(TreeStep):
                 frontier_rows = [1 + (depth - 2) * k + f for f in range(k)]
                 own = 1 + (depth - 2) * k + self.frontier_slots  # [k]: their draft rows (no host tensor)
                 visible = visible.gather(1, parent_slot[..., None].expand(-1, -1, visible.shape[-1])).clone()
-                visible[:, self.frontier_slots, own] = True
+                visible[:, self.frontier_slots, own] = visible.new_ones(())  # a device value: a host True is
+                # copied to the GPU, which a CUDA graph capture of the eager step refuses
                 meta = AttentionMetadata(attn.kv_cache, (position[:, None] + own).flatten(),
                                          slots.repeat_interleave(k), attn.max_kv_len, tokens_per_request=k,
                                          rope_positions=(position[:, None] + depth - 1).expand(num, k).flatten(),
