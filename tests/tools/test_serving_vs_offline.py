@@ -1,0 +1,26 @@
+"""The server-against-offline benchmark (tllm_spec/tools/serving_vs_offline.py) end to end on the CPU: a tiny
+random model, offline generate(), the real uvicorn server and the bench-serve child process; the report's ratios
+compare the server with offline decoding of the same prompts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("uvicorn")
+from tllm_spec.tools.serving_vs_offline import run  # noqa: E402
+
+
+def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tmp_path):
+    result = run("tiny", 2.0, [1, 4], num_prompts=8, input_len=8, output_len=8, out_dir=tmp_path, device="cpu")
+    assert json.loads((tmp_path / "serving_vs_offline.json").read_text()) == result
+    one, four = result["points"]
+    assert one["offline"]["prompts"] == 1 and "offline_same_prompts" not in one  # concurrency 1: the TPOT target
+    assert four["offline"]["prompts"] == 4 and four["offline_same_prompts"]["prompts"] == 8  # all the server's
+    assert four["offline_same_prompts"]["output_tokens"] == 8 * 8 == four["server"]["num_output_tokens"]
+    same, batch = four["offline_same_prompts"]["tokens_per_second"], four["offline"]["tokens_per_second"]
+    throughput = four["server"]["output_throughput"]
+    assert four["server_over_offline_throughput"] == pytest.approx(throughput / same)
+    assert four["server_over_offline_one_batch_throughput"] == pytest.approx(throughput / batch)
+    assert one["server_tpot_over_offline_step_per_token"] == pytest.approx(
+        one["server"]["tpot_ms"]["mean"] / one["offline"]["step_ms_per_token"])
