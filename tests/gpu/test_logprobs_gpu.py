@@ -41,6 +41,7 @@ def _hf_logprobs(out) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).cpu()
 
 
+@pytest.mark.compiles
 # the default (EAGLE-3 in bf16), and K = 0's layout in fp32 (tokens exact): each case compiles its own step
 @pytest.mark.parametrize("spec,dtype", [("eagle3", torch.bfloat16), ("none", torch.float32)])
 def test_graphed_compiled_logprobs_equal_eager(spec, dtype, monkeypatch):

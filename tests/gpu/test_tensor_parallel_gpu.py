@@ -25,6 +25,7 @@ def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_s
     return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs)}
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("speculative", [True, False])
 def test_tp2_graphed_greedy_equals_tp1(dtype, speculative):
