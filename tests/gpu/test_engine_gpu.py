@@ -1,5 +1,5 @@
 """The graphed engine on the GPU: replay == eager, lossless greedy, no host sync inside the step. Tests whose
-subject is not the compiled step capture eager kernels (compile_step=False): a torch.compile costs 20-120 s."""
+subject is not the compiled step capture eager kernels (compile_step=False): a torch.compile costs up to 90 s."""
 import pytest
 import torch
 

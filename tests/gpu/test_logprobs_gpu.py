@@ -42,8 +42,9 @@ def _hf_logprobs(out) -> torch.Tensor:
 
 
 @pytest.mark.compiles
-# the default (EAGLE-3 in bf16), and K = 0's layout in fp32 (tokens exact): each case compiles its own step
-@pytest.mark.parametrize("spec,dtype", [("eagle3", torch.bfloat16), ("none", torch.float32)])
+# the default (EAGLE-3 in bf16), and in fp32 with tokens exact; each case compiles its own step (K = 0's layout
+# compiled: tests/engine/test_step_graph.py, on the CPU)
+@pytest.mark.parametrize("spec,dtype", [("eagle3", torch.bfloat16), ("eagle3", torch.float32)])
 def test_graphed_compiled_logprobs_equal_eager(spec, dtype, monkeypatch):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters

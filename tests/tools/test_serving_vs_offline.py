@@ -8,10 +8,12 @@ import json
 import pytest
 
 pytest.importorskip("uvicorn")
+from tllm_spec.sampling.forcing import ENV_VAR  # noqa: E402
 from tllm_spec.tools.serving_vs_offline import run  # noqa: E402
 
 
-def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tmp_path):
+def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "0")  # restored afterwards: the run forces acceptance in this process
     result = run("tiny", 2.0, [1, 4], num_prompts=8, input_len=8, output_len=8, out_dir=tmp_path, device="cpu")
     assert json.loads((tmp_path / "serving_vs_offline.json").read_text()) == result
     one, four = result["points"]

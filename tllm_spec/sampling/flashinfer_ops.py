@@ -50,7 +50,6 @@ def available(device: torch.device) -> bool:
 
 _build_lock = threading.Lock()
 _build_thread: threading.Thread | None = None
-BUILD_TIMES: dict[str, float] = {}  # wall times (time.time()) the background build "began" and "ended"
 
 
 def start_sampling_build(device: torch.device) -> None:
@@ -66,19 +65,27 @@ def start_sampling_build(device: torch.device) -> None:
             # (its sampling build: 96 s -> 60 s on a 16-core H200 host)
             os.environ.setdefault("FLASHINFER_EXTRA_CUDAFLAGS", "--split-compile=0")
             fi = load_flashinfer()  # imported here, on the caller's thread; the thread only builds
-            _build_thread = threading.Thread(target=_build_sampling_module, args=(fi,), daemon=True,
+            times: dict[str, float] = {}
+            _build_thread = threading.Thread(target=_build_sampling_module, args=(fi, times), daemon=True,
                                              name="tllm_spec-flashinfer-build")
+            _build_thread.times = times
             _build_thread.start()
 
 
-def _build_sampling_module(fi: types.ModuleType) -> None:
-    BUILD_TIMES["began"] = time.time()
+def sampling_build_times() -> dict[str, float]:
+    """When the background build "began" and "ended" (time.time()); empty if none was started (start-up report)."""
+    with _build_lock:
+        return dict(getattr(_build_thread, "times", {}))
+
+
+def _build_sampling_module(fi: types.ModuleType, times: dict[str, float]) -> None:
+    times["began"] = time.time()
     try:
         fi.sampling.get_sampling_module()
     except Exception as err:  # reported again, with its trace, by the first sampling call that needs it
         warnings.warn(f"FlashInfer's sampling module failed to build in the background: {err}", stacklevel=1)
     finally:
-        BUILD_TIMES["ended"] = time.time()
+        times["ended"] = time.time()
 
 
 def wait_sampling_build() -> None:

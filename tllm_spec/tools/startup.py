@@ -87,9 +87,9 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     captures = [] if graph_runner is None else [
         {"batch": key[0], "draft_len": key[1], "variant": variant_name(key[3:]), "seconds": round(seconds, 2)}
         for key, seconds in graph_runner.capture_seconds.items()]
-    from ..sampling.flashinfer_ops import BUILD_TIMES
+    from ..sampling.flashinfer_ops import sampling_build_times
     result = {"start": START, "imported": imported, **{f"{name}_built": t for name, t in marks.items()},
-              **{f"flashinfer_build_{name}": t for name, t in BUILD_TIMES.items()},
+              **{f"flashinfer_build_{name}": t for name, t in sampling_build_times().items()},
               "built": built, "ready": ready, "compile_phases_s": compile_phases,
               "graphs_at_ready": captured, "compiles_at_ready": compiles,
               "compiles_after_ready": num_compiled_graphs() - compiles,
