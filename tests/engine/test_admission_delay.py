@@ -191,3 +191,50 @@ def test_the_prefill_step_time_is_measured(engine_with_clock):
 def test_bad_values_are_refused(field, value):
     with pytest.raises(ValidationError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_steps_run_ahead_while_a_request_waits_to_be_due(engine_with_clock, monkeypatch):
+    """On the graphed path (replayed eagerly on the CPU), a request that waits for its delay does not stop the
+    decoders' steps ahead: they go on until it is due, then it joins at the next step boundary; its tokens are
+    unchanged."""
+    from tllm_spec.engine.cuda_graphs import CUDAGraphRunner
+
+    model, engine, clock, outputs = engine_with_clock
+    model.runner.graph_runner = model.runner.new_graph_runner()
+    launched, run_next = [0], CUDAGraphRunner.run_next
+
+    def counting(self):
+        launched[0] += 1
+        if launched[0] == 4:
+            clock.now += 2.0  # the factor is 2: "late" is due from the next step boundary
+        return run_next(self)
+    monkeypatch.setattr(CUDAGraphRunner, "run_next", counting)
+    engine.should_yield = lambda: False
+    start_alone(engine, clock)
+    engine.admission.prefill_seconds = 1.0
+    engine.add(1, [9, 10, 11], SHORT, "late")
+    engine.step()
+    assert launched[0] == 4 and [r.request_id for r in engine.waiting] == ["late"]
+    engine.step()
+    assert running_ids(engine) == {"long", "late"}
+    while engine.running:
+        engine.step()
+    alone = load(0.0).generate([[9, 10, 11]], SHORT)[0]
+    assert outputs["late"] == alone.token_ids
+
+
+def test_the_loop_takes_new_requests_between_steps_ahead_and_holds_other_news():
+    """EngineLoop's ``should_yield``: a plain new request joins the queue and the steps ahead go on; an abort,
+    a request that restarts the random stream or one that needs a grammar is held for the step boundary."""
+    model = load(2.0)
+    loop, engine = model.loop, model.engine
+    quiet = SamplingParams(max_new_tokens=4)
+    loop._inbox.put(("add", [("a", 0, [5, 6], quiet)], lambda out: None, None))
+    assert engine.should_yield() is False and [r.request_id for r in engine.waiting] == ["a"]
+    for message in [("abort", "a"), ("add", [("b", 1, [7], quiet)], lambda out: None, 3),
+                    ("add", [("c", 2, [7], quiet.model_copy(update={"guided_decoding": {"regex": "x"}}))],
+                     lambda out: None, None)]:
+        loop._inbox.put(message)
+        assert engine.should_yield() is True and loop._held is message and loop._inbox.empty()
+        loop._held = None
+    assert [r.request_id for r in engine.waiting] == ["a"]

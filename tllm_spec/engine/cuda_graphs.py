@@ -153,16 +153,21 @@ class CUDAGraphRunner:
         capture also pays for torch.compile (Inductor's on-disk cache makes a second start quick). A batch
         mixing requests may have a variant none of them has alone (a sampled one beside a greedy one asking for
         logprobs): that one is captured on first use."""
-        examples = {sampling_variant([p]): p for p in params}
-        pairs = self._bucket_draft_lens()
-        todo = [(size, k, variant, example) for variant, example in sorted(examples.items(), reverse=True)
-                for size, k in pairs if (size, k, k, *variant) not in self.graphs]  # greedy first: FlashInfer's
-        # JIT build, started with the runner (flashinfer_ops.start_sampling_build), goes on beside them
+        todo = self.missing(params)
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
         for size, k, variant, example in bar:
             bar.set_postfix_str(f"batch {size}, {k} drafts, {variant_name(variant)}")
             self._fill([], [], [], [], [], size, k, k, pad_params=example)
             self._capture_into((size, k, k, *variant))
+
+    def missing(self, params: Sequence[SamplingParams]) -> list[tuple[int, int, tuple, SamplingParams]]:
+        """(bucket, draft length, variant, example params) of each graph :meth:`capture_all` would capture for
+        ``params``; greedy first: FlashInfer's JIT build, started with the runner
+        (flashinfer_ops.start_sampling_build), goes on beside those."""
+        examples = {sampling_variant([p]): p for p in params}
+        pairs = self._bucket_draft_lens()
+        return [(size, k, variant, example) for variant, example in sorted(examples.items(), reverse=True)
+                for size, k in pairs if (size, k, k, *variant) not in self.graphs]
 
     def _bucket_draft_lens(self) -> list[tuple[int, int]]:
         """(bucket, draft length) for every draft length the schedule gives a batch size in the bucket."""

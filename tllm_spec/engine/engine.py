@@ -45,7 +45,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.on_output: Callable[[StreamOutput], None] = lambda out: None
-        self.should_yield: Callable[[], bool] = lambda: False  # news for the engine's thread: stop running ahead
+        # between steps run ahead: take news (EngineLoop queues new requests here); True: stop running ahead
+        self.should_yield: Callable[[], bool] = lambda: False
         self._ids = itertools.count()
         self._tokenizer_lock = threading.Lock()
         self._last_done = 0.0
@@ -112,6 +113,11 @@ class Engine:
             self.waiting.append(request)
         return request_id
 
+    def joins_quietly(self, params: SamplingParams) -> bool:
+        """Whether a request with ``params`` may be added while a step is in flight (:meth:`add` between steps run
+        ahead): it sets up no grammar and captures no graph."""
+        return params.guided_decoding is None and not self.runner.needs_capture(params)
+
     def abort(self, request_id: str) -> bool:
         """End a request now ("abort"): a waiting one leaves the queue, a running one leaves the batch and frees
         its pages at the end of the step in flight. False if no such request is queued or running."""
@@ -135,10 +141,9 @@ class Engine:
         re-raises."""
         batch = self.running + self._admit()  # admission order: prompt chunks are taken FIFO
         plan = plan_step(batch, self.max_num_batched_tokens, self.runner.context_lookahead)
-        may_admit = bool(self.waiting) and len(batch) < self.runner.max_batch_size
         try:
             if plan.requests:
-                self._run(plan, hold=may_admit or any(r.is_context for r in batch))
+                self._run(plan, hold=any(r.is_context for r in batch))
         except BaseException as err:
             for r in batch:
                 if not r.finish_reason:
@@ -209,26 +214,29 @@ class Engine:
         admitted: list[Request] = []
         if not self.waiting or not self.admission.due(self.waiting, self.running):
             return admitted
-        while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size:
-            r = self.waiting[0]
-            needed = self._reserved_tokens(len(r.prompt), r.params)
-            if not self.kv.can_allocate(needed):
-                break
-            r.slot = self.kv.allocate(needed)
-            admitted.append(self.waiting.popleft())
+        while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size and self._fits():
+            r = self.waiting.popleft()
+            r.slot = self.kv.allocate(self._reserved_tokens(len(r.prompt), r.params))
+            admitted.append(r)
         return admitted
 
+    def _fits(self) -> bool:
+        """Whether the KV pool has the pages the oldest waiting request reserves."""
+        r = self.waiting[0]
+        return self.kv.can_allocate(self._reserved_tokens(len(r.prompt), r.params))
+
     def _run(self, plan: StepPlan, hold: bool) -> None:
-        """Steps for ``plan`` until one of its requests ends (or the batch must change; ``hold``: after one step,
-        for a request that waits for a slot or has prompt tokens to prefill). While a graphed batch stays as it
-        is, the next step is launched before the host reads this one's outputs (its inputs advanced on the device,
-        :meth:`ModelRunner.run_next`), so the host's work hides behind the GPU's; a request that ended meanwhile
-        has that one step's rows dropped. (That step keeps the draft length it was launched with: under a
-        ``draft_len_schedule`` the batch's new size takes effect one step later.)"""
+        """Steps for ``plan`` until one of its requests ends or the batch must change (``hold``: after one step,
+        for a request with prompt tokens to prefill; or once a waiting request is due and fits). While a graphed
+        batch stays as it is, the next step is launched before the host reads this one's outputs (its inputs
+        advanced on the device, :meth:`ModelRunner.run_next`), so the host's work hides behind the GPU's; a request
+        that ended meanwhile has that one step's rows dropped (that step keeps the draft length it was launched
+        with: under a ``draft_len_schedule`` the batch's new size takes effect one step later). A request that
+        arrives meanwhile does not stop the steps ahead until it is due."""
         batch = plan.requests
         step = self._launch(plan)
         while True:
-            ahead = self._launch_next(step) if self._can_run_ahead(step, hold) else None
+            ahead = self._launch_next(step) if self._can_run_ahead(step, hold, batch) else None
             self._complete(batch, step)
             if ahead is None:
                 return
@@ -237,13 +245,16 @@ class Engine:
                 self._complete(batch, step)
                 return
 
-    def _can_run_ahead(self, step: _Launched, hold: bool) -> bool:
+    def _can_run_ahead(self, step: _Launched, hold: bool, batch: list[Request]) -> bool:
         """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
-        its draft length and has no grammar, with no waiting request it could admit, no prompt chunk pending
-        (``hold``) and no news for the engine's thread (a new request, an abort). (A step run ahead for a
-        request that has just ended writes K/V at most K + 1 positions past what the request reserved: into the
-        scratch page, :attr:`ModelRunner.max_positions_per_request`.)"""
-        return not step.has_context and not hold and self.runner.can_run_next() and not self.should_yield()
+        its draft length and has no grammar, with no prompt chunk pending (``hold``), no news that needs the
+        engine between steps (an abort, a call: ``should_yield``, which also takes new requests into the queue)
+        and no waiting request that would join now (a free slot, admission due, KV pages for it). (A step run ahead for a request that has just
+        ended writes K/V at most K + 1 positions past what the request reserved: into the scratch page,
+        :attr:`ModelRunner.max_positions_per_request`.)"""
+        return (not step.has_context and not hold and self.runner.can_run_next() and not self.should_yield()
+                and not (self.waiting and len(batch) < self.runner.max_batch_size
+                         and self.admission.due(self.waiting, batch) and self._fits()))
 
     def _launch(self, plan: StepPlan) -> _Launched:
         """Build the step's flat inputs on the host (prompt chunks first) and launch it. Generation requests

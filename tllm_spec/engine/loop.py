@@ -33,8 +33,9 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._num_threads = torch.get_num_threads()  # intra-op threads of the thread that made the model
         self._incoming = 0  # requests announced (on their way: being read, checked) and not yet submitted
+        self._held: tuple | None = None  # a message taken between steps run ahead, handled at the step boundary
         engine.on_output = self._on_output
-        engine.should_yield = lambda: not self._inbox.empty()
+        engine.should_yield = self._take_news
         engine.admission.num_incoming = lambda: self._incoming
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Deliver, request_id: str | None = None,
@@ -117,6 +118,9 @@ class EngineLoop:
             torch.cuda.set_device(self.engine.runner.device)
         with torch.inference_mode():
             while True:
+                if self._held is not None:
+                    message, self._held = self._held, None
+                    self._handle(message)
                 if self.engine.num_requests == 0:  # idle: sleep until a message comes
                     self._handle(self._inbox.get())
                 while not self._inbox.empty():
@@ -127,6 +131,23 @@ class EngineLoop:
                         self._handle(self._inbox.get(timeout=wait))
                 elif self.engine.num_requests:
                     self._step()
+
+    def _take_news(self) -> bool:
+        """Between steps run ahead (``Engine.should_yield``): new requests join the waiting queue at once, so that
+        the steps ahead go on while they wait to be admitted; any other message (an abort, a call, requests that
+        restart the random stream, set up a grammar or capture a graph) stops the steps ahead and is handled at
+        the step boundary. True: stop."""
+        while self._held is None:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return False
+            if message[0] == "add" and message[3] is None and all(
+                    self.engine.joins_quietly(params) for *_, params in message[1]):
+                self._handle(message)
+            else:
+                self._held = message
+        return True
 
     def _step(self) -> None:
         try:

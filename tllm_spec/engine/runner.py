@@ -188,6 +188,11 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.capture_all(params)
 
+    def needs_capture(self, params: SamplingParams) -> bool:
+        """Whether a request with ``params`` makes :meth:`prepare_graphs` capture graphs (a sampling variant seen
+        for the first time)."""
+        return self.graph_runner is not None and bool(self.graph_runner.missing([params]))
+
     @property
     def context_lookahead(self) -> int:
         """Prompt tokens after a partial prompt chunk that the draft reads (SpecWorkerBase.context_lookahead)."""
