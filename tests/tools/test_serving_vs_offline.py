@@ -26,3 +26,8 @@ def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tm
     assert four["server_over_offline_one_batch_throughput"] == pytest.approx(throughput / batch)
     assert one["server_tpot_over_offline_step_per_token"] == pytest.approx(
         one["server"]["tpot_ms"]["mean"] / one["offline"]["step_ms_per_token"])
+    for steps, name in [(four["offline_same_prompts"]["steps"], "steps-offline-8.json"),
+                        (four["server"]["steps"], "steps-concurrency-4.json")]:  # every prompt token prefilled once
+        records = json.loads((tmp_path / name).read_text())
+        assert steps["steps"] == len(records) and sum(r["prompt_tokens"] for r in records) == 8 * 8
+        assert steps["prefill_steps"] == sum(r["prompt_tokens"] > 0 for r in records) >= 1

@@ -10,7 +10,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,7 @@ from .detokenizer import Detokenizer
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
 from .runner import ModelRunner
 from .scheduler import StepPlan, plan_step
+from .step_log import LaunchedStep, StepLog
 
 if TYPE_CHECKING:
     from ..guided.grammar import GrammarMatcher
@@ -47,6 +47,7 @@ class Engine:
         self.on_output: Callable[[StreamOutput], None] = lambda out: None
         # between steps run ahead: take news (EngineLoop queues new requests here); True: stop running ahead
         self.should_yield: Callable[[], bool] = lambda: False
+        self.step_log: StepLog | None = None  # set one to record every step (StepLog)
         self._ids = itertools.count()
         self._tokenizer_lock = threading.Lock()
         self._last_done = 0.0
@@ -245,7 +246,7 @@ class Engine:
                 self._complete(batch, step)
                 return
 
-    def _can_run_ahead(self, step: _Launched, hold: bool, batch: list[Request]) -> bool:
+    def _can_run_ahead(self, step: LaunchedStep, hold: bool, batch: list[Request]) -> bool:
         """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
         its draft length and has no grammar, with no prompt chunk pending (``hold``), no news that needs the
         engine between steps (an abort, a call: ``should_yield``, which also takes new requests into the queue)
@@ -256,7 +257,7 @@ class Engine:
                 and not (self.waiting and len(batch) < self.runner.max_batch_size
                          and self.admission.due(self.waiting, batch) and self._fits()))
 
-    def _launch(self, plan: StepPlan) -> _Launched:
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         """Build the step's flat inputs on the host (prompt chunks first) and launch it. Generation requests
         verify the drafts they hold (every running request holds as many: the previous step proposed them for
         all) and the step proposes the schedule's number for this batch size."""
@@ -275,28 +276,30 @@ class Engine:
         packed = self.runner.step(ids, positions, slots, drafts, [r.params for r in batch],
                                   tuple(c.length for c in chunks), draft_len, next_draft_len,
                                   tuple(c.start for c in chunks), tuple(c.next_tokens(lookahead) for c in chunks))
-        return self._copy_out(packed, start, draft_len, next_draft_len, tuple(c.end for c in chunks), chained=False)
+        step = self._copy_out(packed, start, draft_len, next_draft_len, tuple(c.end for c in chunks), chained=False)
+        step.prompt_tokens = sum(c.length for c in chunks)
+        return step
 
-    def _launch_next(self, step: _Launched) -> _Launched:
+    def _launch_next(self, step: LaunchedStep) -> LaunchedStep:
         start = time.perf_counter()
         packed = self.runner.run_next()
         return self._copy_out(packed, start, step.draft_len, step.next_draft_len, (), chained=True)
 
     def _copy_out(self, packed: torch.Tensor, start: float, draft_len: int, next_draft_len: int,
-                  context_ends: tuple[int, ...], chained: bool) -> _Launched:
+                  context_ends: tuple[int, ...], chained: bool) -> LaunchedStep:
         """Queue the step's one device-to-host copy (into the pinned buffer not in use) behind its kernels."""
         if not packed.is_cuda:  # a copy: a static output buffer is overwritten by the next replay
-            return _Launched(packed.clone(), None, draft_len, next_draft_len, context_ends, chained, start,
+            return LaunchedStep(packed.clone(), None, draft_len, next_draft_len, context_ends, chained, start,
                              time.perf_counter() - start)
         self._buffer ^= 1
         host = self._host_buffers[self._buffer][:packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return _Launched(host, ready, draft_len, next_draft_len, context_ends, chained, start,
+        return LaunchedStep(host, ready, draft_len, next_draft_len, context_ends, chained, start,
                          time.perf_counter() - start)
 
-    def _complete(self, batch: list[Request], step: _Launched) -> None:
+    def _complete(self, batch: list[Request], step: LaunchedStep) -> None:
         """Wait for the step's outputs and update its requests on the host (a request that has already ended
         skips its rows: they come from a step launched ahead; a partial prompt chunk only advances its cache)."""
         if step.ready is not None:
@@ -327,24 +330,7 @@ class Engine:
             began = self._last_done if step.chained else step.start
             self.timer.record(done - began, step.host_seconds + (done - waited), sum(live))
         self._last_done = done
+        if self.step_log is not None:
+            self.step_log.record(step.record(done, sum(live), len(self.waiting)))
         self._emit(batch)
 
-
-@dataclass
-class _Launched:
-    """A launched step: its packed outputs on the host [B, 2K+3 (+ logprob columns)] int64 (valid once ``ready``
-    has passed; None: already there), how it was launched, and the host time spent launching it."""
-
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-    draft_len: int
-    next_draft_len: int
-    context_ends: tuple[int, ...]  # where each prompt chunk of the step ends (its first rows)
-    chained: bool  # launched by run_next, before the step before it was read
-    start: float
-    host_seconds: float
-
-    @property
-    def has_context(self) -> bool:
-        """A step with prompt chunks: never graphed, never timed as a decode step."""
-        return bool(self.context_ends)

@@ -11,6 +11,7 @@ serving targets name (``server_over_offline_throughput``: the same prompts).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from tokenizers import Tokenizer, models
 from transformers import AutoConfig
 
 from ..config import SamplingParams
+from ..engine.step_log import StepLog
 from ..sampling import flashinfer_ops
 from ..serve.app import build_app
 from ..spec_model import SpecModel
@@ -43,17 +45,37 @@ def numbered_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
 
 
-def offline(model: SpecModel, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    """generate() over ``prompts`` at once (ignore_eos, ``output_len`` tokens each): output tokens per second."""
+def offline(model: SpecModel, prompts: list[list[int]], output_len: int, out: Path | None = None) -> dict:
+    """generate() over ``prompts`` at once (ignore_eos, ``output_len`` tokens each): output tokens per second;
+    with ``out``, the timed call's engine steps too (:func:`logging_steps`)."""
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     model.generate(prompts, params)  # warm: graphs of this batch size
     start = time.perf_counter()
-    outs = model.generate(prompts, params)
+    with logging_steps(model, out) as steps:
+        outs = model.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     step_ms, per_step = outs.stats["step_ms"], outs.stats["mean_accepted_length"]
     return {"prompts": len(prompts), "output_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
-            "step_ms": step_ms, "tokens_per_step": per_step, "step_ms_per_token": step_ms / per_step}
+            "step_ms": step_ms, "tokens_per_step": per_step, "step_ms_per_token": step_ms / per_step, **steps}
+
+
+@contextlib.contextmanager
+def logging_steps(model: SpecModel, out: Path | None):
+    """Record the engine's steps meanwhile (StepLog) into ``out`` (JSON); yields a dict that gets their summary
+    under "steps". Nothing with ``out`` None."""
+    found: dict = {}
+    if out is None:
+        yield found
+        return
+    log = StepLog()
+    model.loop.call(lambda: setattr(model.engine, "step_log", log))
+    try:
+        yield found
+    finally:
+        model.loop.call(lambda: setattr(model.engine, "step_log", None))
+        found["steps"] = log.summary()
+        out.write_text(json.dumps(log.as_dicts()))
 
 
 def _free_port() -> int:
@@ -108,13 +130,15 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     for c in concurrencies:
         prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
         ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
-        same = offline(model, prompts, output_len) if c == max(concurrencies) else None  # c requests at a time
+        same = offline(model, prompts, output_len, out_dir / f"steps-offline-{len(prompts)}.json") \
+            if c == max(concurrencies) else None  # c requests at a time
         for factor in factors:
             model.loop.call(lambda f=factor: setattr(model.engine.admission, "delay_factor", f))
             bench_serve(url, c, c, input_len, output_len, vocab, out_dir, "warmup")  # first-time costs, not timed
-            report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir,
-                                 f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}")
-            summary = report["summary"]
+            name = f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}"
+            with logging_steps(model, out_dir / f"steps-{name}.json") as steps:
+                report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir, name)
+            summary = {**report["summary"], **steps}
             point = {"concurrency": c, "scheduler_delay_factor": factor, "offline": ref, "server": summary,
                      "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"] / ref["step_ms_per_token"],
                      "server_over_offline_one_batch_throughput": summary["output_throughput"]
