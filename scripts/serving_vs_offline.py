@@ -24,10 +24,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--delay-factors", type=float, nargs="+", help="scheduler_delay_factor values to serve with, "
                    "each in turn (default: the engine's)")
+    p.add_argument("--uvicorn-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="the server's event loop (auto: uvloop where installed)")
     p.add_argument("--out", default="runs/serving_vs_offline")
     args = p.parse_args()
     run(args.shape, args.forced, args.concurrency, args.num_prompts, args.input_len, args.output_len, Path(args.out),
-        args.device, args.delay_factors)
+        args.device, args.delay_factors, args.uvicorn_loop)
 
 
 if __name__ == "__main__":

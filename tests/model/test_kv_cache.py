@@ -101,6 +101,28 @@ def test_free_resets_block_table_row():
     assert (kv.block_tables[slot] == SCRATCH_PAGE).all()
 
 
+def test_block_table_rows_reach_the_device_together_when_next_read(monkeypatch):
+    """allocate and free change rows on the host; the device table takes them in one copy when it is next read
+    (or flushed): a slot freed and handed out again before that holds its new pages."""
+    kv = small_cache(num_pages=10, max_requests=3)
+    copies = []
+    index_copy = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda t, *a: copies.append(a) or index_copy(t, *a))
+    first, second = kv.allocate(9), kv.allocate(4)
+    kv.free(first)
+    third = kv.allocate(5)  # takes the freed slot back
+    assert third == first and (kv._block_tables == SCRATCH_PAGE).all()  # nothing written yet
+    table = kv.block_tables
+    assert len(copies) == 1
+    assert table[second].tolist() == kv._pages[second] + [SCRATCH_PAGE] * 2
+    assert table[third].tolist() == kv._pages[third] + [SCRATCH_PAGE]
+    kv.free(second)
+    kv.flush()
+    assert (kv.block_tables[second] == SCRATCH_PAGE).all() and len(copies) == 2
+    kv.flush()  # nothing changed: no copy
+    assert len(copies) == 2
+
+
 def test_pool_needs_a_page_beyond_scratch():
     with pytest.raises(ValueError, match="at least 2 pages"):
         small_cache(num_pages=1)

@@ -185,6 +185,7 @@ class ModelRunner:
     def prepare_graphs(self, params: Sequence[SamplingParams]) -> None:
         """Capture every bucket's graph for the sampling variants of ``params`` before the first timed step."""
         self.bind_kv_cache()
+        self.kv_cache.flush()  # a capture must not record the block table's pending rows
         if self.graph_runner is not None:
             self.graph_runner.capture_all(params)
 
@@ -210,6 +211,7 @@ class ModelRunner:
         :attr:`context_lookahead` of them; () for a chunk that does; empty: none). Generation requests replay a
         CUDA graph when one is enabled (:meth:`_graphs_generation`)."""
         self.bind_kv_cache()
+        self.kv_cache.flush()  # block-table rows of the requests admitted and freed since the last step
         k = self.max_draft_len if draft_len is None else draft_len
         next_k = self.max_draft_len if next_draft_len is None else next_draft_len
         num_ctx = len(context_lens)
@@ -263,6 +265,7 @@ class ModelRunner:
 
     def run_next(self) -> torch.Tensor:
         """Replay the last graphed step on inputs it advanced itself (CUDAGraphRunner.run_next)."""
+        self.kv_cache.flush()
         return self.graph_runner.run_next()
 
     def _make_kv_cache(self) -> KVCache:

@@ -16,7 +16,10 @@ class KVCache:
     request slot. Rewinding rejected drafts is a length change done by the engine: nothing is copied.
 
     k[layer], v[layer]: [num_pages, page_size, num_kv_heads, head_dim]; block_tables [max_requests,
-    max_pages_per_request] int32 on the device.
+    max_pages_per_request] int32 on the device. :meth:`allocate` and :meth:`free` change rows on the host; the
+    device table takes every row changed since its last read in one copy when it is next read (``block_tables``),
+    or at :meth:`flush`: a serving engine that frees and admits dozens of requests between two steps makes a few
+    device calls instead of several per request (each call lets the server's threads take the interpreter).
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int]], num_pages: int, page_size: int, max_requests: int,
@@ -33,12 +36,31 @@ class KVCache:
         # every K and V cache, grouped by row shape, with their device address table (kernels.move_rows)
         self.row_groups = [(caches, cache_table(caches)) for caches in groups.values()]
         # one extra row, never allocated: the slot of CUDA-graph padding rows (all scratch)
-        self.block_tables = torch.full((max_requests + 1, self.max_pages_per_request), SCRATCH_PAGE,
-                                       dtype=torch.int32, device=device)
+        self._block_tables = torch.full((max_requests + 1, self.max_pages_per_request), SCRATCH_PAGE,
+                                        dtype=torch.int32, device=device)
+        self._changed: dict[int, list[int]] = {}  # slot -> its pages, not yet written to the device table
         self.padding_slot = max_requests
         self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """The device block table, with every row changed on the host written first (:meth:`flush`)."""
+        self.flush()
+        return self._block_tables
+
+    def flush(self) -> None:
+        """Write the rows :meth:`allocate` and :meth:`free` changed into the device table: one host-to-device copy,
+        stream-ordered (a step in flight keeps reading the rows it was launched with)."""
+        if not self._changed:
+            return
+        width = self.max_pages_per_request
+        slots, rows = list(self._changed), [p + [SCRATCH_PAGE] * (width - len(p)) for p in self._changed.values()]
+        self._changed = {}
+        changed = torch.tensor([slots, *zip(*rows)], dtype=torch.int32)  # [1 + width, n]: one copy
+        changed = changed.to(self._block_tables.device, non_blocking=True)
+        self._block_tables.index_copy_(0, changed[0].long(), changed[1:].t())
 
     @property
     def num_free_pages(self) -> int:
@@ -64,17 +86,14 @@ class KVCache:
             raise RuntimeError(f"KV pool exhausted: {num} pages wanted, {len(self._free_pages)} free")
         slot = self._free_slots.pop()
         pages = [self._free_pages.pop() for _ in range(num)]
-        self._pages[slot] = pages
-        row = torch.full((self.max_pages_per_request,), SCRATCH_PAGE, dtype=torch.int32)
-        row[:num] = torch.tensor(pages, dtype=torch.int32)
-        self.block_tables[slot].copy_(row, non_blocking=True)  # stream-ordered: no wait for a step in flight
+        self._pages[slot] = self._changed[slot] = pages
         return slot
 
     def free(self, slot: int) -> None:
         """Return a finished request's pages and slot to the pool."""
         self._free_pages.extend(reversed(self._pages.pop(slot)))
         self._free_slots.append(slot)
-        self.block_tables[slot].fill_(SCRATCH_PAGE)
+        self._changed[slot] = []
 
     def write_index(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat index (page * page_size + offset) of each token's K/V. [N] int64 -> [N] int64, on device."""

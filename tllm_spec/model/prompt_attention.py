@@ -105,14 +105,20 @@ def _lse_backends() -> dict[str, str]:
 _LSE_BACKENDS = _lse_backends()
 
 
+LONG_PROMPT_TOKENS = 8192  # a lone prompt this long keeps SDPA (its plan is built once per such length)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], scale: float,
                       sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention within each prompt of a packed batch. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
 
     One kernel for the whole batch where it can: torch's variable-length flash attention on CUDA (bf16/fp16,
     where this torch has it), else one SDPA call per run of consecutive prompts of equal length. A call per
-    prompt would cost each layer of an eager prompt step tens of host microseconds per prompt."""
-    if len(lens) > 1 and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    prompt would cost each layer of an eager prompt step tens of host microseconds per prompt. A lone prompt
+    takes the varlen kernel too below LONG_PROMPT_TOKENS: SDPA's cuDNN kernel builds an execution plan for each
+    new length on first use (the first took 1.4 s on an H200), on the request's path."""
+    if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and (len(lens) > 1 or lens[0] < LONG_PROMPT_TOKENS)):
         out = varlen_causal_attention(q, k, v, lens, scale, sliding_window)
         if out is not None:
             return out

@@ -84,9 +84,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_in_thread(model: SpecModel, name: str) -> tuple[uvicorn.Server, str]:
+def serve_in_thread(model: SpecModel, name: str, loop: str = "auto") -> tuple[uvicorn.Server, str]:
+    """The app over ``model`` in a uvicorn server on a free port, on a daemon thread (``loop``: uvicorn's event
+    loop, "auto" (uvloop where installed), "asyncio" or "uvloop"); (server, its URL) once it answers /health."""
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(model, name), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(model, name), host="127.0.0.1", port=port, log_level="warning",
+                                           loop=loop))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -111,7 +114,7 @@ def bench_serve(url: str, concurrency: int, num_prompts: int, input_len: int, ou
 
 
 def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
-        out_dir: Path, device: str = "cuda", delay_factors: list[float] | None = None) -> dict:
+        out_dir: Path, device: str = "cuda", delay_factors: list[float] | None = None, loop: str = "auto") -> dict:
     """Offline, then the server, per concurrency (the offline batch: the first ``concurrency`` prompts, the batch
     the server keeps running) and per ``scheduler_delay_factor`` (default: the engine's); results in
     ``out_dir/serving_vs_offline.json`` (written after each point)."""
@@ -124,8 +127,8 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     flashinfer_ops.wait_sampling_build()  # no timing shares the host with FlashInfer's JIT build
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     result: dict = {"shape": shape, "forced": forced, "device": gpu, "input_len": input_len, "output_len": output_len,
-                    "points": []}
-    server, url = serve_in_thread(model, shape)
+                    "uvicorn_loop": loop, "points": []}
+    server, url = serve_in_thread(model, shape, loop)
     factors = delay_factors or [model.engine.admission.delay_factor]
     for c in concurrencies:
         prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
