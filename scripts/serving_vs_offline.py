@@ -26,10 +26,12 @@ def main() -> None:
                    "each in turn (default: the engine's)")
     p.add_argument("--uvicorn-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="the server's event loop (auto: uvloop where installed)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per point (offline of the same prompts and the "
+                   "server): the median is reported")
     p.add_argument("--out", default="runs/serving_vs_offline")
     args = p.parse_args()
     run(args.shape, args.forced, args.concurrency, args.num_prompts, args.input_len, args.output_len, Path(args.out),
-        args.device, args.delay_factors, args.uvicorn_loop)
+        args.device, args.delay_factors, args.uvicorn_loop, args.repeats)
 
 
 if __name__ == "__main__":

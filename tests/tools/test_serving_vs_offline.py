@@ -31,3 +31,17 @@ def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tm
         records = json.loads((tmp_path / name).read_text())
         assert steps["steps"] == len(records) and sum(r["prompt_tokens"] for r in records) == 8 * 8
         assert steps["prefill_steps"] == sum(r["prompt_tokens"] > 0 for r in records) >= 1
+
+
+def test_repeats_report_the_median_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "0")
+    result = run("tiny", 2.0, [4], num_prompts=8, input_len=8, output_len=4, out_dir=tmp_path, device="cpu",
+                 repeats=3)
+    point = result["points"][0]
+    runs = [r["output_throughput"] for r in point["server_runs"]]
+    assert len(runs) == 3 and runs == sorted(runs) and point["server"]["output_throughput"] == runs[1]
+    offline_runs = point["offline_same_prompts"]["runs_tokens_per_second"]
+    assert len(offline_runs) == 3
+    assert point["offline_same_prompts"]["tokens_per_second"] == pytest.approx(sorted(offline_runs)[1])
+    assert point["server_over_offline_throughput"] == pytest.approx(runs[1] / sorted(offline_runs)[1])
+    assert {f"steps-concurrency-4-run{r}.json" for r in range(3)} <= {p.name for p in tmp_path.iterdir()}

@@ -45,19 +45,26 @@ def numbered_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
 
 
-def offline(model: SpecModel, prompts: list[list[int]], output_len: int, out: Path | None = None) -> dict:
-    """generate() over ``prompts`` at once (ignore_eos, ``output_len`` tokens each): output tokens per second;
-    with ``out``, the timed call's engine steps too (:func:`logging_steps`)."""
+def offline(model: SpecModel, prompts: list[list[int]], output_len: int, out: Path | None = None,
+            repeats: int = 1) -> dict:
+    """generate() over ``prompts`` at once (ignore_eos, ``output_len`` tokens each): output tokens per second, of
+    the median of ``repeats`` timed calls (each call's in ``runs_tokens_per_second``); with ``out``, that call's
+    engine steps too (:func:`logging_steps`)."""
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     model.generate(prompts, params)  # warm: graphs of this batch size
-    start = time.perf_counter()
-    with logging_steps(model, out) as steps:
-        outs = model.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    runs = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        log = out if out is None or repeats == 1 else out.with_name(f"{out.stem}-run{r}.json")
+        with logging_steps(model, log) as steps:
+            outs = model.generate(prompts, params)
+        runs.append((time.perf_counter() - start, outs, steps))
+    seconds, outs, steps = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
     tokens = sum(len(o.token_ids) for o in outs)
     step_ms, per_step = outs.stats["step_ms"], outs.stats["mean_accepted_length"]
     return {"prompts": len(prompts), "output_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
-            "step_ms": step_ms, "tokens_per_step": per_step, "step_ms_per_token": step_ms / per_step, **steps}
+            "step_ms": step_ms, "tokens_per_step": per_step, "step_ms_per_token": step_ms / per_step, **steps,
+            "runs_tokens_per_second": [tokens / run[0] for run in runs]}
 
 
 @contextlib.contextmanager
@@ -114,10 +121,14 @@ def bench_serve(url: str, concurrency: int, num_prompts: int, input_len: int, ou
 
 
 def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
-        out_dir: Path, device: str = "cuda", delay_factors: list[float] | None = None, loop: str = "auto") -> dict:
+        out_dir: Path, device: str = "cuda", delay_factors: list[float] | None = None, loop: str = "auto",
+        repeats: int = 1) -> dict:
     """Offline, then the server, per concurrency (the offline batch: the first ``concurrency`` prompts, the batch
     the server keeps running) and per ``scheduler_delay_factor`` (default: the engine's); results in
-    ``out_dir/serving_vs_offline.json`` (written after each point)."""
+    ``out_dir/serving_vs_offline.json`` (written after each point). With ``repeats``, each timed run (offline of
+    the same prompts, and the server's) runs that many times and the median one is reported (the server's by
+    output throughput; every run's in ``server_runs``): arrivals that happen to bunch differently make single
+    runs of the server vary by several percent."""
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = AutoConfig.for_model("llama", **SHAPES[shape]).vocab_size  # as random_spec_model builds it
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -133,16 +144,23 @@ def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, i
     for c in concurrencies:
         prompts = random_prompts(num_prompts if c > 1 else max(8, num_prompts // 8), input_len, vocab, seed=0)
         ref = offline(model, prompts[:c], output_len)  # the batch the server keeps running at this concurrency
-        same = offline(model, prompts, output_len, out_dir / f"steps-offline-{len(prompts)}.json") \
+        same = offline(model, prompts, output_len, out_dir / f"steps-offline-{len(prompts)}.json", repeats) \
             if c == max(concurrencies) else None  # c requests at a time
         for factor in factors:
             model.loop.call(lambda f=factor: setattr(model.engine.admission, "delay_factor", f))
             bench_serve(url, c, c, input_len, output_len, vocab, out_dir, "warmup")  # first-time costs, not timed
             name = f"concurrency-{c}" if len(factors) == 1 else f"concurrency-{c}-delay-{factor:g}"
-            with logging_steps(model, out_dir / f"steps-{name}.json") as steps:
-                report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir, name)
-            summary = {**report["summary"], **steps}
+            runs = []
+            for r in range(repeats):
+                run_name = name if repeats == 1 else f"{name}-run{r}"
+                with logging_steps(model, out_dir / f"steps-{run_name}.json") as steps:
+                    report = bench_serve(url, c, len(prompts), input_len, output_len, vocab, out_dir, run_name)
+                runs.append({**report["summary"], **steps})
+            runs.sort(key=lambda run: run["output_throughput"])
+            summary = runs[len(runs) // 2]
             point = {"concurrency": c, "scheduler_delay_factor": factor, "offline": ref, "server": summary,
+                     "server_runs": [{"output_throughput": run["output_throughput"], "tpot_ms": run["tpot_ms"]["mean"],
+                                      "ttft_ms_p99": run["ttft_ms"]["p99"], "steps": run.get("steps")} for run in runs],
                      "server_tpot_over_offline_step_per_token": summary["tpot_ms"]["mean"] / ref["step_ms_per_token"],
                      "server_over_offline_one_batch_throughput": summary["output_throughput"]
                      / ref["tokens_per_second"]}
