@@ -20,8 +20,8 @@ setup(
     ],
     extras_require={
         # triton: the kernels are checked against their references under its CPU interpreter
-        "test": ["pytest>=8", "pytest-xdist>=3.2", "scipy>=1.10", "triton>=3.0", "llguidance>=1.0", "jsonschema>=4", *SERVE,
-                 "openai>=1.30", "matplotlib>=3.7"],  # matplotlib: the benchmark plots are tested too
+        "test": ["pytest>=8", "pytest-xdist>=3.2", "scipy>=1.10", "triton>=3.0", "llguidance>=1.0", "jsonschema>=4",
+                 *SERVE, "openai>=1.30", "matplotlib>=3.7"],  # matplotlib: the benchmark plots are tested too
         "guided": ["llguidance>=1.0"],
         "serve": SERVE,
         "gpu": ["flashinfer-python>=0.7", "triton>=3.0"],

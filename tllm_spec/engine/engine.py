@@ -250,9 +250,9 @@ class Engine:
         """A generation-only batch (graphed, where there is a runner: every batch size has a bucket) that keeps
         its draft length and has no grammar, with no prompt chunk pending (``hold``), no news that needs the
         engine between steps (an abort, a call: ``should_yield``, which also takes new requests into the queue)
-        and no waiting request that would join now (a free slot, admission due, KV pages for it). (A step run ahead for a request that has just
-        ended writes K/V at most K + 1 positions past what the request reserved: into the scratch page,
-        :attr:`ModelRunner.max_positions_per_request`.)"""
+        and no waiting request that would join now (a free slot, admission due, KV pages for it). (A step run
+        ahead for a request that has just ended writes K/V at most K + 1 positions past what the request reserved:
+        into the scratch page, :attr:`ModelRunner.max_positions_per_request`.)"""
         return (not step.has_context and not hold and self.runner.can_run_next() and not self.should_yield()
                 and not (self.waiting and len(batch) < self.runner.max_batch_size
                          and self.admission.due(self.waiting, batch) and self._fits()))
@@ -290,14 +290,14 @@ class Engine:
         """Queue the step's one device-to-host copy (into the pinned buffer not in use) behind its kernels."""
         if not packed.is_cuda:  # a copy: a static output buffer is overwritten by the next replay
             return LaunchedStep(packed.clone(), None, draft_len, next_draft_len, context_ends, chained, start,
-                             time.perf_counter() - start)
+                                time.perf_counter() - start)
         self._buffer ^= 1
         host = self._host_buffers[self._buffer][:packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(host, ready, draft_len, next_draft_len, context_ends, chained, start,
-                         time.perf_counter() - start)
+                            time.perf_counter() - start)
 
     def _complete(self, batch: list[Request], step: LaunchedStep) -> None:
         """Wait for the step's outputs and update its requests on the host (a request that has already ended

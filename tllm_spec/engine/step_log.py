@@ -41,12 +41,19 @@ class StepLog:
         idle = sum(max(0.0, b.start - a.done) for a, b in zip(steps, steps[1:]) if not b.chained)
         in_prefill = sum(s.done - s.start for s in prefill)
         span = steps[-1].done - steps[0].start
+        per_prefill = max(len(prefill), 1)
         return {"steps": len(steps), "span_s": round(span, 4), "prefill_steps": len(prefill),
-                "prompt_tokens_per_prefill_step": round(sum(s.prompt_tokens for s in prefill) / max(len(prefill), 1), 1),
-                "prompt_requests_per_prefill_step": round(sum(s.prompt_requests for s in prefill)
-                                                          / max(len(prefill), 1), 2),
+                "prompt_tokens_per_prefill_step": round(sum(s.prompt_tokens for s in prefill) / per_prefill, 1),
+                "prompt_requests_per_prefill_step": round(sum(s.prompt_requests for s in prefill) / per_prefill, 2),
                 "prefill_steps_s": round(in_prefill, 4), "idle_between_steps_s": round(idle, 4),
                 "mean_rows": round(sum(s.rows for s in steps) / len(steps), 2)}
+
+    @classmethod
+    def from_dicts(cls, records: list[dict]) -> StepLog:
+        """A log of records written by :meth:`as_dicts`."""
+        log = cls()
+        log.records.extend(StepRecord(**r) for r in records)
+        return log
 
     def as_dicts(self) -> list[dict]:
         return [asdict(s) for s in self.records]

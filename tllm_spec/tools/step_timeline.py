@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..engine.step_log import StepLog
+
 
 def load(path: Path) -> list[dict]:
     """A StepLog file's records (StepRecord fields), oldest first."""
@@ -36,10 +38,9 @@ def plot(logs: dict[str, list[dict]], out: Path) -> Path | None:
             if not b["chained"] and b["start"] - a["done"] > 1e-3:
                 ax.axvspan(a["done"] - t0, b["start"] - t0, color="tab:red", alpha=0.5, lw=0)
         ax.step([r["done"] - t0 for r in records], [r["rows"] for r in records], where="pre", color="tab:blue", lw=1)
-        idle = sum(max(0.0, b["start"] - a["done"]) for a, b in zip(records, records[1:]) if not b["chained"])
-        span = records[-1]["done"] - t0 if records else 0.0
-        ax.set_title(f"{label}: {len(records)} steps in {span:.2f} s, device idle between steps {idle:.2f} s",
-                     fontsize=9, loc="left")
+        summary = StepLog.from_dicts(records).summary()
+        ax.set_title(f"{label}: {len(records)} steps in {summary.get('span_s', 0.0):.2f} s, device idle between "
+                     f"steps {summary.get('idle_between_steps_s', 0.0):.2f} s", fontsize=9, loc="left")
         ax.set_ylabel("requests")
     axes[-1, 0].set_xlabel("seconds (blue: requests in the step; orange: prefill steps; red: no step in flight)")
     fig.tight_layout()
