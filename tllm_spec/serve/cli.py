@@ -18,11 +18,14 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from typing import TYPE_CHECKING
+
 import uvicorn
 
 from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, MTPConfig
-from ..spec_model import SpecModel
-from .app import DEFAULT_MAX_QUEUE, build_app
+
+if TYPE_CHECKING:
+    from ..spec_model import SpecModel
 
 PROG = "tllm-spec"
 DEMO_EAGLE3 = "demo://eagle3"
@@ -46,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
+    from .app import DEFAULT_MAX_QUEUE  # the model stack loads for serving only, not for bench-serve
+
     p.add_argument("target", nargs="?", help=f"HF causal-LM directory (default: the embedded demo target, "
                    f"{DEMO_TARGET})")
     draft = p.add_mutually_exclusive_group()
@@ -102,6 +107,8 @@ def _json_object(text: str) -> dict:
 
 
 def load_model(args: argparse.Namespace) -> SpecModel:
+    from ..spec_model import SpecModel
+
     flags = (("max_batch_size", args.max_batch_size), ("max_seq_len", args.max_seq_len),
              ("max_num_batched_tokens", args.max_num_batched_tokens),
              ("scheduler_delay_factor", args.scheduler_delay_factor))
@@ -125,6 +132,8 @@ class _Uvicorn(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
+    from .app import build_app
+
     try:
         model = load_model(args)
         model.warmup()  # compiles and captures before the first request, not during it
