@@ -13,7 +13,7 @@ TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 --startup: start-up time instead (tllm_spec/tools/startup.py): spawn to ready for every request (warm-up of every
 bucket up to the largest --batches, greedy, sampled and seeded) in a fresh cache directory and again in a second
 process, and what serving mixed batches at every bucket compiled after that; --gpu-tests also times pytest tests/gpu
-on the warm caches. Writes <--out>/<--startup-name>.json.
+(four xdist workers where pytest-xdist is installed) from empty caches. Writes <--out>/<--startup-name>.json.
 
 --context: long-context decoding instead (step time against the roofline, prefill tokens/s and TTFT per batch
 size, context and mode: no speculation, EAGLE-3 with K of K drafts forced) and, with --attention-backends, the
@@ -90,7 +90,7 @@ def parse_args() -> argparse.Namespace:
     startup = p.add_argument_group("start-up (--startup)")
     startup.add_argument("--startup", action="store_true", help="measure start-up time instead (see above)")
     startup.add_argument("--startup-name", default="startup", help="the JSON's name under --out")
-    startup.add_argument("--gpu-tests", action="store_true", help="also time pytest tests/gpu on the warm caches")
+    startup.add_argument("--gpu-tests", action="store_true", help="also time pytest tests/gpu from empty caches")
     args = p.parse_args()
     check_context_arguments(p, args)
     if args.tree and args.dynamic_tree:

@@ -35,3 +35,18 @@ def test_triton_variants_are_counted_per_package():
     count = num_triton_variants()
     assert count is None or count >= 0
     assert num_triton_variants("no_such_package") in (0, None)
+
+
+def test_gpu_test_suite_is_timed_from_an_empty_cache_directory(monkeypatch):
+    import sys
+
+    from tllm_spec.tools import startup
+
+    script = "import os; d = os.environ['TLLM_SPEC_CACHE_DIR']; print('warming'); print(len(os.listdir(d)), 'cached')"
+    monkeypatch.setattr(startup, "gpu_test_command", lambda: [sys.executable, "-c", script])
+    result = startup.time_gpu_tests(60.0)
+    assert result["gpu_test_suite_rc"] == 0 and result["gpu_test_suite_summary"] == "0 cached"
+    assert result["gpu_test_suite_s"] > 0 and result["gpu_test_suite_command"] == script
+    failing = [sys.executable, "-c", "raise SystemExit(3)"]
+    monkeypatch.setattr(startup, "gpu_test_command", lambda: failing)
+    assert startup.time_gpu_tests(60.0)["gpu_test_suite_rc"] == 3
