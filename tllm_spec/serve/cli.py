@@ -16,9 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
 
