@@ -102,8 +102,7 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
 
 def run_child(shape: str, max_batch_size: int, device: str, cache_dir: Path, timeout_s: float) -> dict:
     """One child process with all caches under ``cache_dir``; its result plus ``ready_s`` (spawn to ready)."""
-    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
-    env[CACHE_DIR_VAR] = str(cache_dir)
+    env = _env_caching_in(cache_dir)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
         spawned = time.time()
@@ -157,8 +156,7 @@ def gpu_test_command() -> list[str]:
 def time_gpu_tests(timeout_s: float) -> dict:
     """Wall time and exit status of :func:`gpu_test_command` in a new, empty cache directory (what a fresh
     machine pays: every compile and FlashInfer's JIT build), and pytest's last line."""
-    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
-    env[CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="tllm_spec_gpu_tests_cache_")
+    env = _env_caching_in(tempfile.mkdtemp(prefix="tllm_spec_gpu_tests_cache_"))
     command, began = gpu_test_command(), time.time()
     try:
         done = subprocess.run(command, env=env, timeout=timeout_s, check=False, capture_output=True, text=True)
@@ -167,6 +165,13 @@ def time_gpu_tests(timeout_s: float) -> dict:
         rc, lines = None, ["timed out"]
     return {"gpu_test_suite_s": time.time() - began, "gpu_test_suite_rc": rc,
             "gpu_test_suite_command": " ".join(command[2:]), "gpu_test_suite_summary": lines[-1] if lines else ""}
+
+
+def _env_caching_in(cache_dir: Path | str) -> dict[str, str]:
+    """This process's environment with every compile cache under ``cache_dir`` (its own cache variables dropped)."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
+    env[CACHE_DIR_VAR] = str(cache_dir)
+    return env
 
 
 def _device_name(device: str) -> str:
