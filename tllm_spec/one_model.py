@@ -23,6 +23,9 @@ class OneModel(nn.Module):
                  spec_metadata: SpecMetadata):
         super().__init__()
         self.target, self.worker, self.mode, self.spec_metadata = target, worker, mode, spec_metadata
+        # the draft reads the capture layers' features (EAGLE-3), else the final hidden state; a bool, which the
+        # compiled step's guards keep across processes (an enum member is guarded by identity: engine/trace_cache)
+        self.drafts_from_captured = mode.is_eagle3_one_model()
 
     @property
     def max_draft_len(self) -> int:
@@ -46,7 +49,7 @@ class OneModel(nn.Module):
         hidden, captured = self.target(input_ids, attn)
         metadata.record_positions(attn.positions)
         logits = self.target.compute_logits(hidden[metadata.gather_ids[:metadata.num_rows]])
-        features = captured if self.mode.is_eagle3_one_model() else hidden
+        features = captured if self.drafts_from_captured else hidden
         out = self.worker(input_ids, logits, features, draft_tokens, attn, metadata)
         rows = out.pop("emitted_rows", None)  # a tree step's: the accepted path's rows
         if metadata.logprobs_width:  # the logits as the worker read them (a grammar masks them in place)

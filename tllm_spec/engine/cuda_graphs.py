@@ -28,6 +28,7 @@ from ..model.decoder import layer_backend
 from ..model.kv_cache import KVCache
 from ..model.layers import COMPILE_OPTIONS
 from ..one_model import OneModel
+from . import trace_cache
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy
@@ -96,13 +97,16 @@ def generation_step(model: OneModel, kv: KVCache, ids: torch.Tensor, positions: 
 
 def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """:func:`generation_step` under torch.compile with dynamic shapes, the fused layers compiled with the same
-    backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings`."""
+    backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings` and
+    inference mode. Its traces, and the layers', are loaded from disk where an earlier process kept them
+    (:mod:`tllm_spec.engine.trace_cache`)."""
     options = None
     if backend == "inductor":  # Inductor's coalescing analysis asserts on some of a dynamic tree's fused nodes
         from torch._inductor import config as inductor_config
         options = {**COMPILE_OPTIONS, **({"triton.coalesce_tiling_analysis": False}
                                          if hasattr(inductor_config.triton, "coalesce_tiling_analysis") else {})}
-    step = torch.compile(generation_step, dynamic=True, backend=backend, options=options)
+    step = trace_cache.wrap_under_inference_mode(
+        lambda: torch.compile(generation_step, dynamic=True, backend=backend, options=options))
 
     def run(*args) -> torch.Tensor:
         with layer_backend(backend):
@@ -113,8 +117,10 @@ def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.T
 def step_compile_settings() -> contextlib.ExitStack:
     """Dynamo settings the compiled step needs: no duck sizing (a batch of 2 must not be tied to a model's 2 KV
     heads, which would specialise it) and room for one compilation per (sampling variant, draft lengths, batch
-    1 or more) the buckets capture (limits this torch version does not know are left alone)."""
+    1 or more) the buckets capture (limits this torch version does not know are left alone); traces recorded
+    for :func:`trace_cache.save`."""
     stack = contextlib.ExitStack()
+    stack.enter_context(trace_cache.caching())
     stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
     limits = {name: value for name, value in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024))
               if hasattr(torch._dynamo.config, name)}
@@ -129,6 +135,7 @@ class CUDAGraphRunner:
     def __init__(self, model: OneModel, kv_cache: KVCache, schedule: DraftLenSchedule, max_batch_size: int,
                  compile_step: bool):
         self.model, self.kv_cache, self.schedule = model, kv_cache, schedule
+        self.compile_step = compile_step
         self.step = compiled_generation_step() if compile_step else generation_step
         self.compile_settings = step_compile_settings if compile_step else contextlib.nullcontext
         self.k = model.max_draft_len
@@ -159,6 +166,8 @@ class CUDAGraphRunner:
             bar.set_postfix_str(f"batch {size}, {k} drafts, {variant_name(variant)}")
             self._fill([], [], [], [], [], size, k, k, pad_params=example)
             self._capture_into((size, k, k, *variant))
+        if todo:
+            self._keep_traces()
 
     def missing(self, params: Sequence[SamplingParams]) -> list[tuple[int, int, tuple, SamplingParams]]:
         """(bucket, draft length, variant, example params) of each graph :meth:`capture_all` would capture for
@@ -188,6 +197,7 @@ class CUDAGraphRunner:
             self._fill([], [], [], [], [], size, draft_len, next_draft_len, pad_params=variant_example(variant))
             self._capture_into(key)  # ... on padding rows, so the warm-up steps move no
             # real request's state (its draft distributions, its thinking state), then replay on the real rows
+            self._keep_traces()
         self._fill(ids, positions, slots, drafts, params, size, draft_len, next_draft_len)
         graph, packed = self.graphs[key]
         graph.replay()
@@ -231,6 +241,11 @@ class CUDAGraphRunner:
                                self.inputs[2, :tokens], drafts)
         advance_inputs(self.inputs, packed, size, draft_len, self.k, self.kv_cache.padding_slot)
         return packed
+
+    def _keep_traces(self) -> None:
+        """After captures: the compiled step's traces to disk, for the next process (:mod:`.trace_cache`)."""
+        if self.compile_step:
+            trace_cache.save()
 
     def _capture_into(self, key: GraphKey) -> None:
         """Capture the graph of ``key`` (its inputs already filled) and time it."""

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from ..distributed.parallel import all_reduce
-from ..kernels.rms_norm import rms_norm, rms_norm_op
+from ..kernels.rms_norm import rms_norm
 from ..kernels.rotary import rotary
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
-from ..kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_op, skinny_linear_ref
+from ..kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_ref
 from .attention import AttentionMetadata, attend
 from .rotary import apply_rotary
 
@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: tor
     and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
     so one compiled graph serves both); elsewhere the same stock ops (the op's reference)."""
     cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
-    op = traced(skinny_linear_op, skinny_linear) if x.is_cuda else skinny_linear_ref
+    op = traced(torch.ops.tllm_spec.skinny_linear, skinny_linear) if x.is_cuda else skinny_linear_ref
     return op(x, layer.weight, layer.bias, gated=gated, residual=residual, rope_cos=cos, rope_sin=sin,
               rotary_cols=rotary_cols)
 
@@ -54,7 +54,9 @@ def one_request_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
 def traced(op, fn):
     """The custom ``op`` under torch.compile (opaque to Inductor), its function ``fn`` in eager code: an eager
     call through the op's dispatcher costs 40-70 us of host time, which an eager prompt step pays hundreds of
-    times."""
+    times. Compiled code calls a custom op as ``torch.ops.tllm_spec.<name>``, never through the object
+    ``torch.library.custom_op`` returns: Dynamo guards on that object, and a guard on it cannot be saved with the
+    step's traces (engine/trace_cache.py)."""
     return op if torch.compiler.is_compiling() else fn
 
 
@@ -69,7 +71,7 @@ def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     kept in another dtype (its product promotes) is the module itself."""
     if module.weight.dtype != x.dtype:
         return module(x)
-    return traced(rms_norm_op, rms_norm)(x, module.weight, module.variance_epsilon)
+    return traced(torch.ops.tllm_spec.rms_norm, rms_norm)(x, module.weight, module.variance_epsilon)
 
 
 def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, residual: torch.Tensor | None

@@ -22,7 +22,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     int64, the emitted count, bonus included). seed, offset: [1] int64, the batch stream (seed advanced in
     place), or [G] int64 per-request streams (torch path only: pass use_flashinfer=False)."""
     if use_flashinfer and flashinfer_ops.available(target_probs.device):
-        tokens = flashinfer_ops.chain_speculative_sampling(draft_probs, draft_tokens, target_probs, seed, offset)
+        tokens = torch.ops.tllm_spec.flashinfer_chain_speculative_sampling(draft_probs, draft_tokens, target_probs,
+                                                                           seed, offset)
         rng.advance(seed)
         return tokens.clamp(min=0), (tokens >= 0).sum(-1)
     return rejection_sample_ref(target_probs, draft_probs, draft_tokens, seed, offset)

@@ -34,7 +34,7 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor, shape: tuple[int, ...], sa
     Inductor would fold the hash's 32-bit multipliers into int32 index arithmetic, which overflows.
     """
     if torch.compiler.is_compiling():
-        return _uniform_op(seed, offset, list(shape), salt)
+        return torch.ops.tllm_spec.uniform(seed, offset, list(shape), salt)
     return _uniform(seed, offset, tuple(shape), salt)
 
 

@@ -37,7 +37,7 @@ def sample_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: 
     """FlashInfer path of :func:`sample` (CUDA only)."""
     top_ks = sanitize_top_ks(top_ks, logits.shape[-1])
     scaled = logits.float() / temperatures.clamp(min=MIN_TEMPERATURE).unsqueeze(-1)
-    sampled = flashinfer_ops.top_k_top_p_sample(scaled, top_ks, top_ps, seed, offset)
+    sampled = torch.ops.tllm_spec.flashinfer_top_k_top_p_sample(scaled, top_ks, top_ps, seed, offset)
     rng.advance(seed)
     return torch.where(top_ks == 1, logits.argmax(-1), sampled)
 
@@ -70,7 +70,8 @@ def filtered_sorted_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     keep = ranks < top_ks.unsqueeze(-1)
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)
-    keep &= mass_before(probs) < top_ps.unsqueeze(-1)  # the smallest prefix holding >= top_p of the mass
+    # the smallest prefix holding >= top_p of the mass
+    keep &= torch.ops.tllm_spec.mass_before(probs) < top_ps.unsqueeze(-1)
     return probs * keep, order
 
 

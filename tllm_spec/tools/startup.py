@@ -78,6 +78,8 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     ready = time.time()
     compile_phases = dynamo_phase_seconds()
     compiles, captured, variants = num_compiled_graphs(), graphs, num_triton_variants()
+    from torch._dynamo.utils import counters
+    trace_cache = dict(counters["dynamo_cache"])  # traces loaded from disk (hits) or not found there (misses)
     guided = model.runner.enable_guided_decoding() is None if model.tokenizer is not None else False
     vocab = model.target.vocab_size
     for size in batch_buckets(max_batch_size):
@@ -90,7 +92,7 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
     from ..sampling.flashinfer_ops import sampling_build_times
     result = {"start": START, "imported": imported, **{f"{name}_built": t for name, t in marks.items()},
               **{f"flashinfer_build_{name}": t for name, t in sampling_build_times().items()},
-              "built": built, "ready": ready, "compile_phases_s": compile_phases,
+              "built": built, "ready": ready, "compile_phases_s": compile_phases, "trace_cache": trace_cache,
               "graphs_at_ready": captured, "compiles_at_ready": compiles,
               "compiles_after_ready": num_compiled_graphs() - compiles,
               "captures_after_ready": (len(graph_runner.graphs) - captured) if graph_runner is not None else 0,

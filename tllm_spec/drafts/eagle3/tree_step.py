@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ...kernels.move_rows import move_rows, move_rows_op
+from ...kernels.move_rows import move_rows
 from ...model.attention import AttentionMetadata
 from ...model.kv_cache import KVCache
 from ...sampling import rng, sampler
@@ -142,7 +142,7 @@ class TreeStep:
         target's and the draft's). root_tokens [G] flat index of each run's root; paths [G, D+1]; num [G]."""
         slots, base = attn.token_slots[root_tokens], attn.positions[root_tokens]
         src, dst = path_rows(kv.block_tables, slots, base, paths, num_accepted, kv.page_size)  # once, all layers
-        move = move_rows_op if torch.compiler.is_compiling() else move_rows
+        move = torch.ops.tllm_spec.move_cache_rows if torch.compiler.is_compiling() else move_rows
         for caches, table in kv.row_groups:  # one launch per cache shape (one, where the head's matches)
             move(caches, table, src, dst, paths.shape[1])
 

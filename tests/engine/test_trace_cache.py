@@ -1,0 +1,69 @@
+"""The compiled step's Dynamo traces kept on disk (tllm_spec.engine.trace_cache): a second process loads them and
+traces nothing, a third that needs a variant the first never compiled traces only that one, and every step
+equals the eager step. Real processes (TLLM_SPEC_TRACE_CACHE=1), Inductor on the CPU, one cache directory."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tllm_spec import SamplingParams
+from tllm_spec.engine import trace_cache
+from tllm_spec.engine.cuda_graphs import compiled_generation_step, generation_step, step_compile_settings
+from tllm_spec.spec_model import SpecModel
+
+from ..models import eagle3, tiny_pair
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, top_k=20),
+            "seeded": SamplingParams(temperature=0.9, seed=5)}
+
+
+def child(variants: list[str]) -> dict:
+    """Compiled steps of a tiny EAGLE-3 pair at batch 1, 2 and 3 for each of ``variants``, each against the eager
+    step; what was traced, loaded and saved."""
+    from torch._dynamo.utils import counters
+
+    target, head = tiny_pair("qwen3")
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), dtype=torch.float32, max_batch_size=3)
+    k, metadata = model.max_draft_len, model.runner.spec_metadata
+    modules = (model.runner.model, model.runner.kv_cache)
+    compiled, equal = compiled_generation_step(), []
+    for name in variants:
+        for size in (1, 2, 3):
+            metadata.prepare([VARIANTS[name]] * size, (), k, k)
+            inputs = (torch.arange(size * (k + 1)) % 90, torch.arange(k + 1).repeat(size) + 6,
+                      torch.arange(size).repeat_interleave(k + 1), (torch.arange(size * k) % 7).view(size, k))
+            outs = []
+            for step in (compiled, generation_step):
+                metadata.reseed(0)
+                with torch.inference_mode(), step_compile_settings():
+                    outs.append(step(*modules, *inputs))
+            equal.append(torch.equal(*outs))
+    return {"equal": equal, "traced": counters["stats"]["unique_graphs"],
+            "loaded": counters["dynamo_cache"]["dynamo_cache_hit"], "saved": trace_cache.save()}
+
+
+def _run(variants: list[str], cache: Path, **env) -> dict:
+    code = f"import json; from tests.engine.test_trace_cache import child; print(json.dumps(child({variants!r})))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache),
+                               trace_cache.TRACE_CACHE_VAR: "1", **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
+def test_a_second_process_loads_the_steps_traces_and_traces_only_what_is_new(tmp_path):
+    first = _run(["greedy"], tmp_path)
+    assert all(first["equal"]) and first["traced"] > 0 and first["loaded"] == 0 and first["saved"]
+    assert any((tmp_path / "dynamo").iterdir())
+    second = _run(["greedy", "sampled"], tmp_path)  # greedy loaded; sampled traced after the load, no name clash
+    assert all(second["equal"]) and second["loaded"] > 0 and 0 < second["traced"] < first["traced"] and second["saved"]
+    third = _run(["greedy", "sampled"], tmp_path)
+    assert all(third["equal"]) and third["loaded"] > 0 and third["traced"] == 0
+    off = _run(["greedy"], tmp_path, **{trace_cache.TRACE_CACHE_VAR: "0"})  # off (the default): traces again
+    assert all(off["equal"]) and off["loaded"] == 0 and off["traced"] > 0 and not off["saved"]

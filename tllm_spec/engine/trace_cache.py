@@ -1,0 +1,97 @@
+"""The compiled step's Dynamo traces kept on disk, so that a second process loads them instead of tracing again.
+
+Inductor's cache already keeps the compiled kernels between processes, but Dynamo traced the step's Python
+again in every process: most of a warm start. This torch's DynamoCache (``torch._dynamo.config
+.caching_precompile``, experimental) keeps each compiled function's traced bytecode, guards and compiled graphs
+under Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR/dynamo``; ``TLLM_SPEC_CACHE_DIR/inductor/dynamo``
+with :mod:`tllm_spec.caches`) and loads them when the function is wrapped by torch.compile. A package whose
+sources changed, or that was made by another torch, Python or GPU, is refused by torch and the step is traced
+afresh.
+
+``TLLM_SPEC_TRACE_CACHE=0`` turns this off. Seen working with torch 2.13 on the CPU (tests/engine/test_trace_cache.py:
+a second process traces nothing and every step equals the eager one) and with torch 2.11 on an H100 (the 8B shape's
+warm-up in a second process: every trace loaded, none made, 6.8 s; docs/benchmarks/README.md).
+
+What the DynamoCache asks of its user, and how tllm_spec meets it:
+
+- Its guards leave out object identities (``ID_MATCH``) and function identities, which cannot outlive a
+  process. The step's traced code reads no per-model fact that only such a guard would tell apart: what
+  differs between models (module types, shapes, integer and boolean attributes) keeps its guard.
+- A package installs its guards with the autograd state of the moment it is loaded: the step is wrapped, and
+  always called, under ``torch.inference_mode`` (:func:`wrap_under_inference_mode`).
+- A guard on the object ``torch.library.custom_op`` returns cannot be saved (it holds the dispatcher's library):
+  compiled code calls tllm_spec's custom ops as ``torch.ops.tllm_spec.<name>``.
+- The names of the globals Dynamo installs count up from 0 in every process, so a trace made after a package
+  was loaded could take a name the package already installed; the counter starts at a random offset in a
+  process that caches traces (:func:`_offset_unique_names`).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import secrets
+from collections.abc import Callable, Iterator
+
+import torch
+
+TRACE_CACHE_VAR = "TLLM_SPEC_TRACE_CACHE"
+_offset = [False]
+
+
+def enabled() -> bool:
+    """Whether this process keeps the step's traces on disk: this torch has the DynamoCache and
+    ``TLLM_SPEC_TRACE_CACHE`` is not "0"."""
+    from torch._dynamo import bytecode_transformation
+
+    return (os.environ.get(TRACE_CACHE_VAR, "1").strip() != "0"
+            and hasattr(torch._dynamo.config, "caching_precompile")
+            and hasattr(bytecode_transformation, "_unique_id_counter"))
+
+
+@contextlib.contextmanager
+def caching() -> Iterator[None]:
+    """Inside: torch.compile wrappers made load their function's traces from disk, and traces made are recorded
+    for :func:`save`. A no-op where :func:`enabled` is false."""
+    if not enabled():
+        yield
+        return
+    _offset_unique_names()
+    with torch._dynamo.config.patch(caching_precompile=True):
+        yield
+
+
+def wrap_under_inference_mode(wrap: Callable[[], Callable]) -> Callable:
+    """``wrap()`` (a torch.compile call) inside :func:`caching` and inference mode: the state the step runs in,
+    which a loaded package's guards take from the moment they are installed."""
+    with caching(), torch.inference_mode():
+        return wrap()
+
+
+def save() -> bool:
+    """Write the traces recorded in this process (loaded ones included) to disk, one package per compiled
+    function (the last one recorded); whether anything was written. (Not through
+    ``torch.compiler.save_cache_artifacts``, which would also serialise every compiled artifact of the process
+    into bytes nobody reads: a process that builds many models, as the GPU tests do, would pay that again at every
+    warm-up.)"""
+    if not enabled():
+        return False
+    from torch._dynamo.package import DynamoCache
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    with caching():
+        entries, _ = PrecompileContext.create_cache_entries()
+        for key, entry in entries.items():
+            DynamoCache.write(entry, key)
+    return bool(entries)
+
+
+def _offset_unique_names() -> None:
+    """Start Dynamo's counter of installed-global names at a random offset, once per process: names a loaded
+    package installed came from another process's count (from 0) and must not be taken again."""
+    if _offset[0]:
+        return
+    from torch._dynamo import bytecode_transformation
+
+    bytecode_transformation._unique_id_counter = itertools.count(secrets.randbits(40) + 1)
+    _offset[0] = True
