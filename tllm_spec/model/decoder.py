@@ -7,7 +7,8 @@ return ``None`` from :meth:`FusedDecoder.from_hf` and run through the stock HF m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ class FusedDecoder(nn.Module):
         self.embed_tokens, self.norm, self.rotary = embed_tokens, norm, rotary
         self.layers = nn.ModuleList(layers)
         self.capture_ids: tuple[int, ...] = ()
-        self._compiled: dict[str, list[nn.Module]] = {}  # backend -> torch.compile of each layer, on first use
+        self._compiled: dict[str, list[Callable]] = {}  # backend -> each layer through one compiled function
         self._bound_cache: KVCache | None = None  # the KV cache the layers' attention tensors belong to
 
     @staticmethod
@@ -77,10 +78,11 @@ class FusedDecoder(nn.Module):
     def _compiled_layers(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         backend = _layer_backend[0]
-        if backend not in self._compiled:
+        if backend not in self._compiled:  # one compiled function for all layers, the layer an argument: one
+            # torch.compile wrapper, so a second process loads the layers' traces once (engine/trace_cache.py)
             options = COMPILE_OPTIONS if backend == "inductor" else None
-            self._compiled[backend] = [torch.compile(layer, dynamic=True, backend=backend, options=options)
-                                       for layer in self.layers]
+            layer_forward = torch.compile(_layer_forward, dynamic=True, backend=backend, options=options)
+            self._compiled[backend] = [functools.partial(layer_forward, layer) for layer in self.layers]
         return run_layers(self._compiled[backend], self.capture_ids, hidden, rope, attn)
 
     def bind_kv_cache(self, kv_cache: KVCache) -> None:
@@ -106,6 +108,11 @@ def layer_backend(backend: str) -> Iterator[None]:
         yield
     finally:
         _layer_backend[0] = saved
+
+
+def _layer_forward(layer: nn.Module, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   attn: AttentionMetadata) -> torch.Tensor:
+    return layer(hidden, rope, attn)
 
 
 def run_layers(layers, capture_ids: tuple[int, ...], hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

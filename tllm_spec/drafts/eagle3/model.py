@@ -1,6 +1,8 @@
 """The EAGLE-3 draft head: fc over three target hidden states, one 2H-input decoder layer, its own lm_head."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -95,7 +97,8 @@ class Eagle3DraftModel(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt: Eagle3Checkpoint, kv_layer: int, target_embedding: nn.Embedding,
                         dtype: torch.dtype, device: torch.device) -> Eagle3DraftModel:
-        model = cls(ckpt.config, kv_layer, target_embedding)
+        with _no_weight_init():  # every weight comes from the checkpoint: no seconds of random init on the CPU
+            model = cls(ckpt.config, kv_layer, target_embedding)
         state = {k: v for k, v in ckpt.state_dict.items() if k != "d2t"}
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary_emb."))]
@@ -172,3 +175,13 @@ def resolve_capture_layers(override: tuple[int, ...] | None, checkpoint_ids: tup
         raise ValueError(f"EAGLE-3 capture layers {layers} are invalid for a target with {num_layers} layers "
                          f"(need 3 ids in [0, {num_layers})); set Eagle3Config.eagle3_layers_to_capture")
     return tuple(sorted(layers))
+
+
+def _no_weight_init() -> contextlib.AbstractContextManager:
+    """transformers' switch that skips torch's weight initialisers (for modules whose weights are loaded next);
+    a no-op where this transformers lacks it."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
