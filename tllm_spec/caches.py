@@ -4,7 +4,7 @@
 ``DIR/flashinfer``), so a second process or a restarted server reuses what the first compiled; a cache whose own
 variable is already set keeps it. Applied when ``tllm_spec`` is imported: before anything compiles and before
 FlashInfer (imported lazily) reads its workspace. The compiled step's Dynamo traces live in Inductor's directory
-(``inductor/dynamo``, :mod:`tllm_spec.engine.trace_cache`). Where a cache lives never changes a result.
+(``inductor/dynamo``, :mod:`tllm_spec.trace_cache`). Where a cache lives never changes a result.
 """
 from __future__ import annotations
 

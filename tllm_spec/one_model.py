@@ -24,7 +24,7 @@ class OneModel(nn.Module):
         super().__init__()
         self.target, self.worker, self.mode, self.spec_metadata = target, worker, mode, spec_metadata
         # the draft reads the capture layers' features (EAGLE-3), else the final hidden state; a bool, which the
-        # compiled step's guards keep across processes (an enum member is guarded by identity: engine/trace_cache)
+        # compiled step's guards keep across processes (an enum member is guarded by identity: trace_cache)
         self.drafts_from_captured = mode.is_eagle3_one_model()
 
     @property

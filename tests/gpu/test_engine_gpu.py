@@ -3,7 +3,7 @@ subject is not the compiled step capture eager kernels (compile_step=False): a t
 import pytest
 import torch
 
-from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec import MTPConfig, SamplingParams, trace_cache
 from tllm_spec.engine.cuda_graphs import CUDAGraphRunner, generation_step
 from tllm_spec.model import layers
 from tllm_spec.model.layers import DecoderLayer
@@ -144,6 +144,7 @@ def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypa
         taken.add(rule(x, attn))
         return rule(x, attn)
     monkeypatch.setattr(layers, "one_request_kernels", recorded)
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, with the patch: not loaded from disk
     fast, eager = build(False), build(True)
     batches, params = ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2]), SamplingParams(max_new_tokens=24)
     fast_tokens = [[o.token_ids for o in fast.generate(prompts, params)] for prompts in batches]

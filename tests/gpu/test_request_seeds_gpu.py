@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tllm_spec import Eagle3Config, SamplingParams
+from tllm_spec import Eagle3Config, SamplingParams, trace_cache
 from tllm_spec.spec_model import SpecModel
 
 from ..models import tiny_pair
@@ -42,6 +42,7 @@ def test_seeded_rows_bypass_flashinfer(monkeypatch):
         raise AssertionError("a step with request seeds reached the FlashInfer sampler")
 
     monkeypatch.setattr(sampling, "sample_flashinfer", refuse)
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, with the patch: not loaded from disk
     model = _model(False, eager=False)
     out = model.generate([PROMPTS[0], PROMPTS[1]], [MINE, MINE.model_copy(update={"seed": 78})])
     assert all(len(o.token_ids) == 24 for o in out)

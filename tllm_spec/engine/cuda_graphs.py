@@ -28,7 +28,7 @@ from ..model.decoder import layer_backend
 from ..model.kv_cache import KVCache
 from ..model.layers import COMPILE_OPTIONS
 from ..one_model import OneModel
-from . import trace_cache
+from .. import trace_cache
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy
@@ -99,14 +99,13 @@ def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.T
     """:func:`generation_step` under torch.compile with dynamic shapes, the fused layers compiled with the same
     backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings` and
     inference mode. Its traces, and the layers', are loaded from disk where an earlier process kept them
-    (:mod:`tllm_spec.engine.trace_cache`)."""
+    (:mod:`tllm_spec.trace_cache`)."""
     options = None
     if backend == "inductor":  # Inductor's coalescing analysis asserts on some of a dynamic tree's fused nodes
         from torch._inductor import config as inductor_config
         options = {**COMPILE_OPTIONS, **({"triton.coalesce_tiling_analysis": False}
                                          if hasattr(inductor_config.triton, "coalesce_tiling_analysis") else {})}
-    step = trace_cache.wrap_under_inference_mode(
-        lambda: torch.compile(generation_step, dynamic=True, backend=backend, options=options))
+    step = trace_cache.compile(generation_step, dynamic=True, backend=backend, options=options)
 
     def run(*args) -> torch.Tensor:
         with layer_backend(backend):
@@ -243,7 +242,7 @@ class CUDAGraphRunner:
         return packed
 
     def _keep_traces(self) -> None:
-        """After captures: the compiled step's traces to disk, for the next process (:mod:`.trace_cache`)."""
+        """After captures: the compiled step's traces to disk, for the next process (:mod:`tllm_spec.trace_cache`)."""
         if self.compile_step:
             trace_cache.save()
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .layers import COMPILE_OPTIONS, MLP, Attention, DecoderLayer
+from .. import trace_cache
 from .rotary import RotaryTable
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x̂·w, eps in fp32
@@ -79,9 +80,10 @@ class FusedDecoder(nn.Module):
                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         backend = _layer_backend[0]
         if backend not in self._compiled:  # one compiled function for all layers, the layer an argument: one
-            # torch.compile wrapper, so a second process loads the layers' traces once (engine/trace_cache.py)
+            # torch.compile wrapper, so a second process loads the layers' traces once (trace_cache.py)
             options = COMPILE_OPTIONS if backend == "inductor" else None
-            layer_forward = torch.compile(_layer_forward, dynamic=True, backend=backend, options=options)
+            layer_forward = trace_cache.compile_inside(_layer_forward, dynamic=True, backend=backend,
+                                                       options=options)
             self._compiled[backend] = [functools.partial(layer_forward, layer) for layer in self.layers]
         return run_layers(self._compiled[backend], self.capture_ids, hidden, rope, attn)
 

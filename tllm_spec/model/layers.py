@@ -56,7 +56,7 @@ def traced(op, fn):
     call through the op's dispatcher costs 40-70 us of host time, which an eager prompt step pays hundreds of
     times. Compiled code calls a custom op as ``torch.ops.tllm_spec.<name>``, never through the object
     ``torch.library.custom_op`` returns: Dynamo guards on that object, and a guard on it cannot be saved with the
-    step's traces (engine/trace_cache.py)."""
+    step's traces (trace_cache.py)."""
     return op if torch.compiler.is_compiling() else fn
 
 

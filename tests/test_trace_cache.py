@@ -1,4 +1,4 @@
-"""The compiled step's Dynamo traces kept on disk (tllm_spec.engine.trace_cache): a second process loads them and
+"""The compiled step's Dynamo traces kept on disk (tllm_spec.trace_cache): a second process loads them and
 traces nothing, a third that needs a variant the first never compiled traces only that one, and every step
 equals the eager step. Real processes (TLLM_SPEC_TRACE_CACHE=1), Inductor on the CPU, one cache directory."""
 import json
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tllm_spec import SamplingParams
-from tllm_spec.engine import trace_cache
+from tllm_spec import trace_cache
 from tllm_spec.engine.cuda_graphs import compiled_generation_step, generation_step, step_compile_settings
 from tllm_spec.spec_model import SpecModel
 
-from ..models import eagle3, tiny_pair
+from .models import eagle3, tiny_pair
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, top_k=20),
             "seeded": SamplingParams(temperature=0.9, seed=5)}
 
@@ -48,7 +48,7 @@ def child(variants: list[str]) -> dict:
 
 
 def _run(variants: list[str], cache: Path, **env) -> dict:
-    code = f"import json; from tests.engine.test_trace_cache import child; print(json.dumps(child({variants!r})))"
+    code = f"import json; from tests.test_trace_cache import child; print(json.dumps(child({variants!r})))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache),
                                trace_cache.TRACE_CACHE_VAR: "1", **env})

@@ -18,7 +18,7 @@ What the DynamoCache asks of its user, and how tllm_spec meets it:
   process. The step's traced code reads no per-model fact that only such a guard would tell apart: what
   differs between models (module types, shapes, integer and boolean attributes) keeps its guard.
 - A package installs its guards with the autograd state of the moment it is loaded: the step is wrapped, and
-  always called, under ``torch.inference_mode`` (:func:`wrap_under_inference_mode`).
+  always called, under ``torch.inference_mode`` (:func:`compile`).
 - A guard on the object ``torch.library.custom_op`` returns cannot be saved (it holds the dispatcher's library):
   compiled code calls tllm_spec's custom ops as ``torch.ops.tllm_spec.<name>``.
 - The names of the globals Dynamo installs count up from 0 in every process, so a trace made after a package
@@ -31,6 +31,8 @@ import contextlib
 import itertools
 import os
 import secrets
+import shutil
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -61,11 +63,32 @@ def caching() -> Iterator[None]:
         yield
 
 
-def wrap_under_inference_mode(wrap: Callable[[], Callable]) -> Callable:
-    """``wrap()`` (a torch.compile call) inside :func:`caching` and inference mode: the state the step runs in,
-    which a loaded package's guards take from the moment they are installed."""
-    with caching(), torch.inference_mode():
-        return wrap()
+def compile(fn: Callable, **options) -> Callable:
+    """``torch.compile(fn, **options)``, its saved traces loaded (inside :func:`caching` and inference mode: the
+    state the step runs in, which a loaded package's guards take from the moment they are installed). A package
+    that fails to load (torch raises while installing its guards) is deleted with a warning, and ``fn`` is
+    traced afresh and saved again."""
+    try:
+        with caching(), torch.inference_mode():
+            return torch.compile(fn, **options)
+    except Exception as err:  # noqa: BLE001 - torch's package loader raises assorted errors on a bad package
+        from torch._dynamo.package import CompilePackage, DynamoCache
+
+        path = os.path.join(DynamoCache.path_prefix(), CompilePackage.source_id_from_fn(fn))
+        warnings.warn(f"tllm_spec: the saved traces of {fn.__qualname__} could not be loaded ({type(err).__name__}: "
+                      f"{err}); deleted {path}, tracing afresh", stacklevel=2)
+        shutil.rmtree(path, ignore_errors=True)
+        with caching(), torch.inference_mode():
+            return torch.compile(fn, **options)
+
+
+def compile_inside(fn: Callable, **options) -> Callable:
+    """:func:`compile` where the caller is inside :func:`caching` (a function first compiled while a compiled
+    step runs, as the fused layers are), else plain ``torch.compile``: a wrapper made while caching must also be
+    compiled while caching, which a caller outside :func:`caching` (``torch._dynamo.explain``) is not."""
+    if enabled() and torch._dynamo.config.caching_precompile:
+        return compile(fn, **options)
+    return torch.compile(fn, **options)
 
 
 def save() -> bool:
