@@ -7,7 +7,7 @@ GPU)."""
 import pytest
 import torch
 
-from tllm_spec import MTPConfig, SamplingParams
+from tllm_spec import MTPConfig, SamplingParams, trace_cache
 from tllm_spec.engine.cuda_graphs import compiled_generation_step, generation_step, step_compile_settings
 from tllm_spec.spec_model import SpecModel
 
@@ -26,8 +26,10 @@ def breaks_elsewhere(reasons) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test starts and ends with empty Dynamo caches and counters, also when it fails."""
+def _fresh_dynamo(monkeypatch):
+    """Each test starts and ends with empty Dynamo caches and counters, also when it fails, and traces in
+    process (no traces loaded from disk: tllm_spec.trace_cache)."""
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

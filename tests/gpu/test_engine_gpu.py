@@ -155,11 +155,12 @@ def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypa
 @pytest.mark.compiles
 # each worker and each acceptance once: every case compiles its own step (tens of seconds)
 @pytest.mark.parametrize("spec,rejection", [("eagle3", False), ("mtp", True), ("none", False)])
-def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection):
+def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection, monkeypatch):
     """The default step compiled whole traces FlashInfer's samplers (torch custom ops) without a graph break
     (but the layer stack's, by design), and one dynamic compilation serves every bucket above 1 of a sampling
     variant: batches 3, 5 and 8 compile nothing after batches 1 and 2."""
     assert flashinfer_ops.available(torch.device("cuda")), "the GPU suite needs flashinfer (.devkit)"
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, not loaded from an earlier test's traces
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel
+from tllm_spec import Eagle3Config, MTPConfig, SamplingParams, SpecModel, trace_cache
 from tllm_spec.demo import resolve
 from tllm_spec.one_model import packed_columns
 
@@ -46,6 +46,7 @@ def _hf_logprobs(out) -> torch.Tensor:
 # compiled: tests/engine/test_step_graph.py, on the CPU)
 @pytest.mark.parametrize("spec,dtype", [("eagle3", torch.bfloat16), ("eagle3", torch.float32)])
 def test_graphed_compiled_logprobs_equal_eager(spec, dtype, monkeypatch):
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, not loaded from an earlier test's traces
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
