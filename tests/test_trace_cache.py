@@ -67,3 +67,36 @@ def test_a_second_process_loads_the_steps_traces_and_traces_only_what_is_new(tmp
     assert all(third["equal"]) and third["loaded"] > 0 and third["traced"] == 0
     off = _run(["greedy"], tmp_path, **{trace_cache.TRACE_CACHE_VAR: "0"})  # off (the default): traces again
     assert all(off["equal"]) and off["loaded"] == 0 and off["traced"] > 0 and not off["saved"]
+
+
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
+def test_a_package_that_fails_to_load_is_deleted_and_traced_afresh(tmp_path, monkeypatch):
+    """torch raising while it installs a saved package's guards does not fail the compile: tllm_spec warns, deletes
+    the package and traces the function again."""
+    from torch._dynamo.package import CompilePackage, DynamoCache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "1")
+    torch._dynamo.reset()
+    x = torch.arange(4.0)
+    with trace_cache.caching(), torch.inference_mode():
+        assert torch.equal(trace_cache.compile(_plus_one, backend="inductor")(x), x + 1)
+    assert trace_cache.save()
+    package = Path(DynamoCache.path_prefix()) / CompilePackage.source_id_from_fn(_plus_one)
+    assert package.is_dir()
+    torch._dynamo.reset()
+
+    def broken(self, backends):
+        raise TypeError("'NoneType' object is not subscriptable")  # as a guard on a patched closure did
+
+    monkeypatch.setattr(CompilePackage, "install", broken)
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        compiled = trace_cache.compile(_plus_one, backend="inductor")
+    assert not package.exists()
+    with trace_cache.caching(), torch.inference_mode():
+        assert torch.equal(compiled(x), x + 1)
+    torch._dynamo.reset()
