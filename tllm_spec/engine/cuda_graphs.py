@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .. import trace_cache
 from ..config import SamplingParams
 from ..drafts.metadata import sampling_variant
 from ..model.attention import AttentionMetadata
@@ -28,7 +29,6 @@ from ..model.decoder import layer_backend
 from ..model.kv_cache import KVCache
 from ..model.layers import COMPILE_OPTIONS
 from ..one_model import OneModel
-from .. import trace_cache
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy

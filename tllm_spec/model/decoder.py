@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .. import trace_cache
 from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .layers import COMPILE_OPTIONS, MLP, Attention, DecoderLayer
-from .. import trace_cache
 from .rotary import RotaryTable
 
 _RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x̂·w, eps in fp32
