@@ -68,9 +68,12 @@ def compile(fn: Callable, **options) -> Callable:
     state the step runs in, which a loaded package's guards take from the moment they are installed). A package
     that fails to load (torch raises while installing its guards) is deleted with a warning, and ``fn`` is
     traced afresh and saved again."""
-    try:
+    def wrap() -> Callable:
         with caching(), torch.inference_mode():
             return torch.compile(fn, **options)
+
+    try:
+        return wrap()
     except Exception as err:  # noqa: BLE001 - torch's package loader raises assorted errors on a bad package
         from torch._dynamo.package import CompilePackage, DynamoCache
 
@@ -78,8 +81,7 @@ def compile(fn: Callable, **options) -> Callable:
         warnings.warn(f"tllm_spec: the saved traces of {fn.__qualname__} could not be loaded ({type(err).__name__}: "
                       f"{err}); deleted {path}, tracing afresh", stacklevel=2)
         shutil.rmtree(path, ignore_errors=True)
-        with caching(), torch.inference_mode():
-            return torch.compile(fn, **options)
+        return wrap()
 
 
 def compile_inside(fn: Callable, **options) -> Callable:
