@@ -8,7 +8,7 @@ with :mod:`tllm_spec.caches`) and loads them when the function is wrapped by tor
 sources changed, or that was made by another torch, Python or GPU, is refused by torch and the step is traced
 afresh.
 
-``TLLM_SPEC_TRACE_CACHE=0`` turns this off. Seen working with torch 2.13 on the CPU (tests/engine/test_trace_cache.py:
+``TLLM_SPEC_TRACE_CACHE=0`` turns this off. Seen working with torch 2.13 on the CPU (tests/test_trace_cache.py:
 a second process traces nothing and every step equals the eager one) and with torch 2.11 on an H100 (the 8B shape's
 warm-up in a second process: every trace loaded, none made, 6.8 s; docs/benchmarks/README.md).
 
@@ -23,12 +23,15 @@ What the DynamoCache asks of its user, and how tllm_spec meets it:
   compiled code calls tllm_spec's custom ops as ``torch.ops.tllm_spec.<name>``.
 - The names of the globals Dynamo installs count up from 0 in every process, so a trace made after a package
   was loaded could take a name the package already installed; the counter starts at a random offset in a
-  process that caches traces (:func:`_offset_unique_names`).
+  process that caches traces (:func:`_prepare_process`).
+- torch warns once for every guard it leaves out of a package: hundreds of lines on a fresh start, and expected
+  here (the first point). Those warnings are filtered out of ``torch._dynamo.guards``'s log; its others stay.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import secrets
 import shutil
@@ -58,7 +61,7 @@ def caching() -> Iterator[None]:
     if not enabled():
         yield
         return
-    _offset_unique_names()
+    _prepare_process()
     with torch._dynamo.config.patch(caching_precompile=True):
         yield
 
@@ -111,12 +114,18 @@ def save() -> bool:
     return bool(entries)
 
 
-def _offset_unique_names() -> None:
-    """Start Dynamo's counter of installed-global names at a random offset, once per process: names a loaded
-    package installed came from another process's count (from 0) and must not be taken again."""
+def _prepare_process() -> None:
+    """Once per process: start Dynamo's counter of installed-global names at a random offset (names a loaded
+    package installed came from another process's count, from 0, and must not be taken again), and filter the
+    dropped-guard warnings out of torch's guard log."""
     if _offset[0]:
         return
     from torch._dynamo import bytecode_transformation
 
     bytecode_transformation._unique_id_counter = itertools.count(secrets.randbits(40) + 1)
+    logging.getLogger("torch._dynamo.guards").addFilter(_keep_unless_dropped_guard)
     _offset[0] = True
+
+
+def _keep_unless_dropped_guard(record: logging.LogRecord) -> bool:
+    return "is dropped with caching_precompile" not in str(record.msg)
