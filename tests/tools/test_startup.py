@@ -3,6 +3,7 @@ fresh cache directory, each built, warmed up and serving mixed batches at every 
 from __future__ import annotations
 
 import json
+import os
 
 from tllm_spec.tools.startup import mixed_params, run_startup
 
@@ -21,6 +22,7 @@ def test_startup_report_from_two_fresh_processes(tmp_path):
     assert result["compiles_after_ready"] == 0 and result["captures_after_ready"] == 0  # the CPU compiles nothing
     assert result["triton_variants_after_ready"] in (0, None)
     assert result["gpu_test_suite_s"] is None
+    assert result["writes_bytecode"] is not bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))  # the children's env
 
 
 def test_mixed_batches_cycle_through_greedy_sampled_and_seeded():

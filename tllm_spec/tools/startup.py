@@ -9,7 +9,9 @@ FlashInfer's sampling build); "ready" is the end of the warm-up. The JSON names 
 time by phase and when FlashInfer's background build began and ended. It then serves a batch mixing greedy, sampled and
 seeded requests (and guided ones where llguidance is installed) at every batch bucket and counts what that
 compiled or captured: a request path that compiles shows up as ``compiles_after_ready > 0`` (torch.compile) or
-``triton_variants_after_ready > 0`` (a Triton kernel specialised anew).
+``triton_variants_after_ready > 0`` (a Triton kernel specialised anew). ``writes_bytecode``: whether the children
+kept Python's bytecode (false under ``PYTHONDONTWRITEBYTECODE``, where every process compiles the source of every
+module it imports: seconds of imports that a machine keeping ``__pycache__`` does not pay).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -98,7 +101,8 @@ def child(shape: str, max_batch_size: int, device: str, out: Path) -> None:
               "captures_after_ready": (len(graph_runner.graphs) - captured) if graph_runner is not None else 0,
               "triton_variants_at_ready": variants,
               "triton_variants_after_ready": None if variants is None else num_triton_variants() - variants,
-              "captures": captures, "guided_served": guided, "served_buckets": batch_buckets(max_batch_size)}
+              "captures": captures, "guided_served": guided, "served_buckets": batch_buckets(max_batch_size),
+              "writes_bytecode": not sys.flags.dont_write_bytecode}
     out.write_text(json.dumps(result, indent=1))
 
 
@@ -130,6 +134,9 @@ def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tes
     """Fresh process in a fresh cache directory, then a second process on the same caches; with ``gpu_tests``
     also the wall time of the GPU test suite from empty caches (:func:`time_gpu_tests`). Writes ``out`` (JSON)
     and returns it."""
+    if sys.flags.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        warnings.warn("PYTHONDONTWRITEBYTECODE is set: every process compiles each imported module's source again "
+                      "(seconds of a warm start), which a machine keeping __pycache__ does not", stacklevel=2)
     cache_dir = Path(tempfile.mkdtemp(prefix="tllm_spec_startup_cache_"))
     fresh = run_child(shape, max_batch_size, device, cache_dir, timeout_s)
     warm = run_child(shape, max_batch_size, device, cache_dir, timeout_s)
@@ -138,6 +145,7 @@ def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tes
               "compiles_after_ready": max(fresh["compiles_after_ready"], warm["compiles_after_ready"]),
               "captures_after_ready": max(fresh["captures_after_ready"], warm["captures_after_ready"]),
               "triton_variants_after_ready": fresh["triton_variants_after_ready"],
+              "writes_bytecode": warm["writes_bytecode"],
               "gpu_test_suite_s": None, "gpu_test_suite_rc": None, "fresh": fresh, "warm": warm}
     if gpu_tests:
         result.update(time_gpu_tests(timeout_s))
