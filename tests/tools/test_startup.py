@@ -44,7 +44,8 @@ def test_gpu_test_suite_is_timed_from_an_empty_cache_directory(monkeypatch):
 
     from tllm_spec.tools import startup
 
-    script = "import os; d = os.environ['TLLM_SPEC_CACHE_DIR']; print('warming'); print(len(os.listdir(d)), 'cached')"
+    script = ("import os, sys; d = os.environ['TLLM_SPEC_CACHE_DIR']; print('warming'); "
+              "print(len(os.listdir(d)), 'cached'); print('a warning', file=sys.stderr)")
     monkeypatch.setattr(startup, "gpu_test_command", lambda: [sys.executable, "-c", script])
     result = startup.time_gpu_tests(60.0)
     assert result["gpu_test_suite_rc"] == 0 and result["gpu_test_suite_summary"] == "0 cached"

@@ -165,12 +165,13 @@ def gpu_test_command() -> list[str]:
 
 def time_gpu_tests(timeout_s: float) -> dict:
     """Wall time and exit status of :func:`gpu_test_command` in a new, empty cache directory (what a fresh
-    machine pays: every compile and FlashInfer's JIT build), and pytest's last line."""
+    machine pays: every compile and FlashInfer's JIT build), and pytest's last line (its summary; stderr's
+    warnings come before it)."""
     env = _env_caching_in(tempfile.mkdtemp(prefix="tllm_spec_gpu_tests_cache_"))
     command, began = gpu_test_command(), time.time()
     try:
         done = subprocess.run(command, env=env, timeout=timeout_s, check=False, capture_output=True, text=True)
-        rc, lines = done.returncode, (done.stdout + done.stderr).strip().splitlines()
+        rc, lines = done.returncode, (done.stderr + done.stdout).strip().splitlines()  # pytest's summary: stdout's last
     except subprocess.TimeoutExpired:
         rc, lines = None, ["timed out"]
     return {"gpu_test_suite_s": time.time() - began, "gpu_test_suite_rc": rc,
