@@ -50,6 +50,8 @@ def test_gpu_test_suite_is_timed_from_an_empty_cache_directory(monkeypatch):
     result = startup.time_gpu_tests(60.0)
     assert result["gpu_test_suite_rc"] == 0 and result["gpu_test_suite_summary"] == "0 cached"
     assert result["gpu_test_suite_s"] > 0 and result["gpu_test_suite_command"] == script
-    failing = [sys.executable, "-c", "raise SystemExit(3)"]
+    assert result["gpu_test_suite_failed"] == []
+    failing = [sys.executable, "-c", "print('FAILED tests/gpu/test_x.py::test_y - AssertionError'); raise SystemExit(3)"]
     monkeypatch.setattr(startup, "gpu_test_command", lambda: failing)
-    assert startup.time_gpu_tests(60.0)["gpu_test_suite_rc"] == 3
+    result = startup.time_gpu_tests(60.0)
+    assert result["gpu_test_suite_rc"] == 3 and result["gpu_test_suite_failed"] == ["tests/gpu/test_x.py::test_y"]

@@ -155,18 +155,18 @@ def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tes
 
 
 def gpu_test_command() -> list[str]:
-    """``pytest tests/gpu``, spread over four workers where pytest-xdist is installed (the README's command)."""
+    """``pytest tests/gpu`` (failed tests named, ``-rf``), spread over four workers where pytest-xdist is installed (the README's command)."""
     try:
         import xdist  # noqa: F401
     except ImportError:
-        return [sys.executable, "-m", "pytest", "-q", "tests/gpu"]
-    return [sys.executable, "-m", "pytest", "-q", "-n", "4", "--dist", "worksteal", "tests/gpu"]
+        return [sys.executable, "-m", "pytest", "-q", "-rf", "tests/gpu"]
+    return [sys.executable, "-m", "pytest", "-q", "-rf", "-n", "4", "--dist", "worksteal", "tests/gpu"]
 
 
 def time_gpu_tests(timeout_s: float) -> dict:
     """Wall time and exit status of :func:`gpu_test_command` in a new, empty cache directory (what a fresh
-    machine pays: every compile and FlashInfer's JIT build), and pytest's last line (its summary; stderr's
-    warnings come before it)."""
+    machine pays: every compile and FlashInfer's JIT build), pytest's last line (its summary; stderr's warnings
+    come before it) and the tests that failed."""
     env = _env_caching_in(tempfile.mkdtemp(prefix="tllm_spec_gpu_tests_cache_"))
     command, began = gpu_test_command(), time.time()
     try:
@@ -175,7 +175,8 @@ def time_gpu_tests(timeout_s: float) -> dict:
     except subprocess.TimeoutExpired:
         rc, lines = None, ["timed out"]
     return {"gpu_test_suite_s": time.time() - began, "gpu_test_suite_rc": rc,
-            "gpu_test_suite_command": " ".join(command[2:]), "gpu_test_suite_summary": lines[-1] if lines else ""}
+            "gpu_test_suite_command": " ".join(command[2:]), "gpu_test_suite_summary": lines[-1] if lines else "",
+            "gpu_test_suite_failed": [line.split()[1] for line in lines if line.startswith("FAILED ")]}
 
 
 def _env_caching_in(cache_dir: Path | str) -> dict[str, str]:
