@@ -13,7 +13,8 @@ TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 --startup: start-up time instead (tllm_spec/tools/startup.py): spawn to ready for every request (warm-up of every
 bucket up to the largest --batches, greedy, sampled and seeded) in a fresh cache directory and again in a second
 process, and what serving mixed batches at every bucket compiled after that; --gpu-tests also times pytest tests/gpu
-(four xdist workers where pytest-xdist is installed) from empty caches. Writes <--out>/<--startup-name>.json.
+(four xdist workers where pytest-xdist is installed) from empty caches. Writes <--out>/<--startup-name>.json and
+a plot of the phases (.png).
 
 --context: long-context decoding instead (step time against the roofline, prefill tokens/s and TTFT per batch
 size, context and mode: no speculation, EAGLE-3 with K of K drafts forced) and, with --attention-backends, the
@@ -55,7 +56,7 @@ from tllm_spec.tools.context_report import (
     run_context_benchmark,
 )
 from tllm_spec.tools.random_models import SHAPES, random_spec_model
-from tllm_spec.tools.startup import run_startup
+from tllm_spec.tools.startup import plot_startup, run_startup
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,7 +86,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-acceptance", type=float, default=0.7, help="per-draft acceptance rate of the sweep: "
                    "k drafts accept sum_i a^i on average (0.7 gives 1.53 of 3)")
     p.add_argument("--out", default="runs/benchmark")
-    p.add_argument("--plot-only", help="re-plot an earlier benchmark.json (or context.json)")
+    p.add_argument("--plot-only", help="re-plot an earlier benchmark.json (or context.json, or a start-up JSON)")
     add_context_arguments(p)
     startup = p.add_argument_group("start-up (--startup)")
     startup.add_argument("--startup", action="store_true", help="measure start-up time instead (see above)")
@@ -114,7 +115,8 @@ def main() -> None:
     args = parse_args()
     if args.plot_only:
         data = json.loads(Path(args.plot_only).read_text())
-        (plot_context if data.get("kind") == "context" else plot)(data, Path(args.plot_only).with_suffix(".png"))
+        plotter = plot_startup if "fresh_ready_s" in data else plot_context if data.get("kind") == "context" else plot
+        plotter(data, Path(args.plot_only).with_suffix(".png"))
         return
     if args.startup:
         result = run_startup(args.shape, max(args.batches), "cuda", Path(args.out) / f"{args.startup_name}.json",

@@ -2,6 +2,7 @@
 fresh cache directory, each built, warmed up and serving mixed batches at every bucket; the report's fields."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -23,6 +24,7 @@ def test_startup_report_from_two_fresh_processes(tmp_path):
     assert result["triton_variants_after_ready"] in (0, None)
     assert result["gpu_test_suite_s"] is None
     assert result["writes_bytecode"] is not bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))  # the children's env
+    assert out.with_suffix(".png").exists() is (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_mixed_batches_cycle_through_greedy_sampled_and_seeded():

@@ -151,7 +151,42 @@ def run_startup(shape: str, max_batch_size: int, device: str, out: Path, gpu_tes
         result.update(time_gpu_tests(timeout_s))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    plot_startup(result, out.with_suffix(".png"))
     return result
+
+
+TARGETS_S = {"fresh": 90.0, "warm": 20.0}  # start-up targets: one H200, the 8B shape, buckets 1-8
+
+
+def plot_startup(result: dict, path: Path) -> bool:
+    """The two processes' phases as stacked bars, spawn to ready, each beside its target; False (nothing written)
+    where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    runs = ["warm", "fresh"]
+    for row, run in enumerate(runs):
+        left = 0.0
+        for i, (phase, seconds) in enumerate(result[run]["phases_s"].items()):
+            ax.barh(row, seconds, left=left, color=f"C{i}", label=phase.replace("_", " ") if row == 0 else None)
+            left += seconds
+        ax.text(left + 1, row, f"{left:.1f} s", va="center", fontsize=8)
+        ax.plot([TARGETS_S[run]] * 2, [row - 0.4, row + 0.4], "k--", linewidth=1,
+                label="target" if row == 0 else None)
+    ax.set_yticks(range(len(runs)), ["second process", "fresh caches"])
+    ax.set_xlabel("seconds from spawn to ready for every request")
+    ax.set_title(f"start-up, {result['shape']}, buckets to {result['max_batch_size']}, {result['device']}, "
+                 f"{result['date']}", fontsize=9)
+    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
 
 
 def gpu_test_command() -> list[str]:
