@@ -304,3 +304,18 @@ def test_warmup_leaves_no_capture_for_greedy_sampled_or_seeded_requests():
     for size in range(1, 5):
         model.generate([[3, 5, 7 + i] for i in range(size)], [kinds[i % 3] for i in range(size)])
     assert len(model.runner.graph_runner.graphs) == held
+
+
+def test_warmup_waits_for_flashinfers_build_before_the_first_sampled_graph_only(monkeypatch):
+    """While FlashInfer's sampling JIT build runs, the warm-up captures the graphs that do not need it (greedy;
+    seeded rows sample on the torch path), then names the wait on its bar and waits, before the first sampled one."""
+    from tllm_spec.engine.cuda_graphs import variant_name
+
+    _, model = _model("llama", 3, torch.float32, eager=False, compile_step=False)
+    runner, waits = model.runner.graph_runner, []
+    monkeypatch.setattr(flashinfer_ops, "sampling_build_running", lambda: not waits)
+    monkeypatch.setattr(flashinfer_ops, "wait_sampling_build",
+                        lambda: waits.append({variant_name(key[3:]) for key in runner.graphs}))
+    model.warmup()
+    assert waits and waits[0] == {"greedy", "seeded"}
+    assert {variant_name(key[3:]) for key in runner.graphs} == {"greedy", "seeded", "sampled"}

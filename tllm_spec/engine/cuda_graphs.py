@@ -29,6 +29,7 @@ from ..model.decoder import layer_backend
 from ..model.kv_cache import KVCache
 from ..model.layers import COMPILE_OPTIONS
 from ..one_model import OneModel
+from ..sampling import flashinfer_ops
 from .draft_len import DraftLenSchedule
 
 _DUMMY = SamplingParams()  # greedy
@@ -162,6 +163,9 @@ class CUDAGraphRunner:
         todo = self.missing(params)
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
         for size, k, variant, example in bar:
+            if not any(variant[:2]) and flashinfer_ops.sampling_build_running():  # sampled, seeds: the torch path
+                bar.set_postfix_str("waiting for FlashInfer's sampling JIT build")
+                flashinfer_ops.wait_sampling_build()
             bar.set_postfix_str(f"batch {size}, {k} drafts, {variant_name(variant)}")
             self._fill([], [], [], [], [], size, k, k, pad_params=example)
             self._capture_into((size, k, k, *variant))

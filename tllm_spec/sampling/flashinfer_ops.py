@@ -88,6 +88,12 @@ def _build_sampling_module(fi: types.ModuleType, times: dict[str, float]) -> Non
         times["ended"] = time.time()
 
 
+def sampling_build_running() -> bool:
+    """Whether a build started by :func:`start_sampling_build` is still going (a progress bar names the wait)."""
+    with _build_lock:
+        return _build_thread is not None and _build_thread.is_alive()
+
+
 def wait_sampling_build() -> None:
     """Block until a build started by :func:`start_sampling_build` has finished (at once if none was)."""
     with _build_lock:
