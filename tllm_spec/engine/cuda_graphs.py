@@ -163,7 +163,7 @@ class CUDAGraphRunner:
         todo = self.missing(params)
         bar = tqdm(todo, desc="compile + capture CUDA graphs", unit="graph", disable=not progress or not todo)
         for size, k, variant, example in bar:
-            if not any(variant[:2]) and flashinfer_ops.sampling_build_running():  # sampled, seeds: the torch path
+            if not any(variant[:2]) and flashinfer_ops.sampling_build_running():  # sampled, no seeds: FlashInfer
                 bar.set_postfix_str("waiting for FlashInfer's sampling JIT build")
                 flashinfer_ops.wait_sampling_build()
             bar.set_postfix_str(f"batch {size}, {k} drafts, {variant_name(variant)}")

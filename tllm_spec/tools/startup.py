@@ -190,7 +190,8 @@ def plot_startup(result: dict, path: Path) -> bool:
 
 
 def gpu_test_command() -> list[str]:
-    """``pytest tests/gpu`` (failed tests named, ``-rf``), spread over four workers where pytest-xdist is installed (the README's command)."""
+    """``pytest tests/gpu`` (failed tests named, ``-rf``), spread over four workers where pytest-xdist is installed
+    (the README's command)."""
     try:
         import xdist  # noqa: F401
     except ImportError:
@@ -206,7 +207,7 @@ def time_gpu_tests(timeout_s: float) -> dict:
     command, began = gpu_test_command(), time.time()
     try:
         done = subprocess.run(command, env=env, timeout=timeout_s, check=False, capture_output=True, text=True)
-        rc, lines = done.returncode, (done.stderr + done.stdout).strip().splitlines()  # pytest's summary: stdout's last
+        rc, lines = done.returncode, (done.stderr + done.stdout).strip().splitlines()  # stdout last: the summary
     except subprocess.TimeoutExpired:
         rc, lines = None, ["timed out"]
     return {"gpu_test_suite_s": time.time() - began, "gpu_test_suite_rc": rc,
