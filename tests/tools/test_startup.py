@@ -53,7 +53,8 @@ def test_gpu_test_suite_is_timed_from_an_empty_cache_directory(monkeypatch):
     assert result["gpu_test_suite_rc"] == 0 and result["gpu_test_suite_summary"] == "0 cached"
     assert result["gpu_test_suite_s"] > 0 and result["gpu_test_suite_command"] == script
     assert result["gpu_test_suite_failed"] == []
-    failing = [sys.executable, "-c", "print('FAILED tests/gpu/test_x.py::test_y - AssertionError'); raise SystemExit(3)"]
+    failed_line = "FAILED tests/gpu/test_x.py::test_y - AssertionError"
+    failing = [sys.executable, "-c", f"print({failed_line!r}); raise SystemExit(3)"]
     monkeypatch.setattr(startup, "gpu_test_command", lambda: failing)
     result = startup.time_gpu_tests(60.0)
     assert result["gpu_test_suite_rc"] == 3 and result["gpu_test_suite_failed"] == ["tests/gpu/test_x.py::test_y"]
