@@ -47,8 +47,31 @@ def child(variants: list[str]) -> dict:
             "loaded": counters["dynamo_cache"]["dynamo_cache_hit"], "saved": trace_cache.save()}
 
 
-def _run(variants: list[str], cache: Path, **env) -> dict:
-    code = f"import json; from tests.test_trace_cache import child; print(json.dumps(child({variants!r})))"
+def child_two_models() -> dict:
+    """A model without speculation and an EAGLE-3 model on one target, each engine with its own compiled step (as
+    scripts/benchmark.py builds them), each step against the eager one."""
+    from torch._dynamo.utils import counters
+
+    target, head = tiny_pair("llama")
+    spec = SpecModel.from_pretrained(target, eagle3(head, 3), dtype=torch.float32, max_batch_size=2)
+    plain = SpecModel.from_target(spec.target, None, max_batch_size=2)
+    equal = []
+    for model in (plain, spec):
+        compiled, k, metadata = compiled_generation_step(), model.max_draft_len, model.runner.spec_metadata
+        modules = (model.runner.model, model.runner.kv_cache)
+        for size in (1, 2):
+            metadata.prepare([SamplingParams()] * size, (), k, k)
+            inputs = (torch.arange(size * (k + 1)) % 90, torch.arange(k + 1).repeat(size) + 6,
+                      torch.arange(size).repeat_interleave(k + 1), (torch.arange(size * k) % 7).view(size, k))
+            with torch.inference_mode(), step_compile_settings():
+                equal.append(torch.equal(compiled(*modules, *inputs), generation_step(*modules, *inputs)))
+    return {"equal": equal, "traced": counters["stats"]["unique_graphs"],
+            "loaded": counters["dynamo_cache"]["dynamo_cache_hit"], "saved": trace_cache.save()}
+
+
+def _run(variants: list[str] | None, cache: Path, **env) -> dict:
+    call = f"child({variants!r})" if variants is not None else "child_two_models()"
+    code = f"import json; from tests.test_trace_cache import child, child_two_models; print(json.dumps({call}))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache),
                                trace_cache.TRACE_CACHE_VAR: "1", **env})
@@ -70,6 +93,16 @@ def test_a_second_process_loads_the_steps_traces_and_traces_only_what_is_new(tmp
     assert all(off["equal"]) and off["loaded"] == 0 and off["traced"] > 0 and not off["saved"]
 
 
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
+def test_two_models_steps_in_one_process_share_one_package(tmp_path):
+    """Two compiled-step wrappers in one process once failed: the second's package could not name the resume
+    functions (after the step's graph breaks) that the first one's traces made (torch's PackageError)."""
+    first = _run(None, tmp_path)
+    assert first["equal"] == [True] * 4 and first["traced"] > 0 and first["saved"]
+    second = _run(None, tmp_path)
+    assert second["equal"] == [True] * 4 and second["loaded"] > 0 and second["traced"] == 0
+
+
 def _plus_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
@@ -82,14 +115,14 @@ def test_a_package_that_fails_to_load_is_deleted_and_traced_afresh(tmp_path, mon
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "1")
-    torch._dynamo.reset()
+    trace_cache.reset()
     x = torch.arange(4.0)
     with trace_cache.caching(), torch.inference_mode():
         assert torch.equal(trace_cache.compile(_plus_one, backend="inductor")(x), x + 1)
     assert trace_cache.save()
     package = Path(DynamoCache.path_prefix()) / CompilePackage.source_id_from_fn(_plus_one)
     assert package.is_dir()
-    torch._dynamo.reset()
+    trace_cache.reset()
 
     def broken(self, backends):
         raise TypeError("'NoneType' object is not subscriptable")  # as a guard on a patched closure did
@@ -100,4 +133,4 @@ def test_a_package_that_fails_to_load_is_deleted_and_traced_afresh(tmp_path, mon
     assert not package.exists()
     with trace_cache.caching(), torch.inference_mode():
         assert torch.equal(compiled(x), x + 1)
-    torch._dynamo.reset()
+    trace_cache.reset()

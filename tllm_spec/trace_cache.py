@@ -24,6 +24,11 @@ What the DynamoCache asks of its user, and how tllm_spec meets it:
 - The names of the globals Dynamo installs count up from 0 in every process, so a trace made after a package
   was loaded could take a name the package already installed; the counter starts at a random offset in a
   process that caches traces (:func:`_prepare_process`).
+- It keeps one package per function, and a package can name only the resume functions (the code after a graph
+  break) that its own traces made: a second torch.compile wrapper of the step in one process (two models, as the
+  benchmark's plain and EAGLE-3 engines) failed with ``PackageError: Cannot resolve a fully qualified name for
+  <code object torch_dynamo_resume_in_forward_at_49 ...>``. :func:`compile` makes one wrapper per function and
+  options in a process that caches traces, and every caller shares it.
 - torch warns once for every guard it leaves out of a package: hundreds of lines on a fresh start, and expected
   here (the first point). Those warnings are filtered out of ``torch._dynamo.guards``'s log; its others stay.
 """
@@ -42,6 +47,7 @@ import torch
 
 TRACE_CACHE_VAR = "TLLM_SPEC_TRACE_CACHE"
 _offset = [False]
+_wrappers: dict[tuple[Callable, str], Callable] = {}  # (function, options) -> its one wrapper while caching
 
 
 def enabled() -> bool:
@@ -68,9 +74,26 @@ def caching() -> Iterator[None]:
 
 def compile(fn: Callable, **options) -> Callable:
     """``torch.compile(fn, **options)``, its saved traces loaded (inside :func:`caching` and inference mode: the
-    state the step runs in, which a loaded package's guards take from the moment they are installed). A package
-    that fails to load (torch raises while installing its guards) is deleted with a warning, and ``fn`` is
-    traced afresh and saved again."""
+    state the step runs in, which a loaded package's guards take from the moment they are installed); where traces
+    are cached, the same wrapper for every call with this function and options in the process. A package that
+    fails to load (torch raises while installing its guards) is deleted with a warning, and ``fn`` is traced
+    afresh and saved again."""
+    if not enabled():
+        return _compile_loading(fn, **options)
+    key = (fn, repr(sorted(options.items())))
+    if key not in _wrappers:
+        _wrappers[key] = _compile_loading(fn, **options)
+    return _wrappers[key]
+
+
+def reset() -> None:
+    """Forget this process's traces (``torch._dynamo.reset``) and wrappers: the next :func:`compile` loads its
+    function's package from disk again."""
+    _wrappers.clear()
+    torch._dynamo.reset()
+
+
+def _compile_loading(fn: Callable, **options) -> Callable:
     def wrap() -> Callable:
         with caching(), torch.inference_mode():
             return torch.compile(fn, **options)
@@ -82,7 +105,7 @@ def compile(fn: Callable, **options) -> Callable:
 
         path = os.path.join(DynamoCache.path_prefix(), CompilePackage.source_id_from_fn(fn))
         warnings.warn(f"tllm_spec: the saved traces of {fn.__qualname__} could not be loaded ({type(err).__name__}: "
-                      f"{err}); deleted {path}, tracing afresh", stacklevel=2)
+                      f"{err}); deleted {path}, tracing afresh", stacklevel=3)
         shutil.rmtree(path, ignore_errors=True)
         return wrap()
 
