@@ -10,7 +10,8 @@ afresh.
 
 ``TLLM_SPEC_TRACE_CACHE=0`` turns this off. Seen working with torch 2.13 on the CPU (tests/test_trace_cache.py:
 a second process traces nothing and every step equals the eager one) and with torch 2.11 on an H100 (the 8B shape's
-warm-up in a second process: every trace loaded, none made, 6.8 s; docs/benchmarks/README.md).
+warm-up in a second process: every trace loaded, none made, 1.8 s; the step as fast as one traced in process;
+docs/benchmarks/README.md).
 
 What the DynamoCache asks of its user, and how tllm_spec meets it:
 
