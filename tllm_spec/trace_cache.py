@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 TRACE_CACHE_VAR = "TLLM_SPEC_TRACE_CACHE"
-_offset = [False]
+_prepared = [False]  # _prepare_process ran in this process
 _wrappers: dict[tuple[Callable, str], Callable] = {}  # (function, options) -> its one wrapper while caching
 
 
@@ -142,13 +142,13 @@ def _prepare_process() -> None:
     """Once per process: start Dynamo's counter of installed-global names at a random offset (names a loaded
     package installed came from another process's count, from 0, and must not be taken again), and filter the
     dropped-guard warnings out of torch's guard log."""
-    if _offset[0]:
+    if _prepared[0]:
         return
     from torch._dynamo import bytecode_transformation
 
     bytecode_transformation._unique_id_counter = itertools.count(secrets.randbits(40) + 1)
     logging.getLogger("torch._dynamo.guards").addFilter(_keep_unless_dropped_guard)
-    _offset[0] = True
+    _prepared[0] = True
 
 
 def _keep_unless_dropped_guard(record: logging.LogRecord) -> bool:
