@@ -1,10 +1,12 @@
 """The compiled step's Dynamo traces kept on disk (tllm_spec.trace_cache): a second process loads them and
 traces nothing, a third that needs a variant the first never compiled traces only that one, and every step
 equals the eager step. Real processes (TLLM_SPEC_TRACE_CACHE=1), Inductor on the CPU, one cache directory."""
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,46 @@ def test_a_package_that_fails_to_load_is_deleted_and_traced_afresh(tmp_path, mon
     with trace_cache.caching(), torch.inference_mode():
         assert torch.equal(compiled(x), x + 1)
     trace_cache.reset()
+
+
+def _view(x: torch.Tensor) -> torch.Tensor:
+    return x[...]  # a traced region without a single operation
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
+def test_a_region_without_operations_compiles_while_caching(tmp_path, monkeypatch):
+    """A compiled region that only returns a view of its input failed inside the DynamoCache with 'expected
+    OutputCode, got <class 'method'>' (the second model of a process on an H100; here on the CPU) until
+    :func:`trace_cache.caching` bundled AOTAutograd's entries; no fallback is needed for it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "1")
+    trace_cache.reset()
+    x = torch.arange(4.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tllm_spec")  # a fallback would warn
+        with trace_cache.caching(), torch.inference_mode():
+            assert torch.equal(trace_cache.compile(_view, backend="inductor", dynamic=True)(x), x)
+    assert trace_cache.enabled() and trace_cache.save()
+    trace_cache.reset()
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
+def test_a_failure_inside_the_cache_falls_back_to_a_plain_compile_with_one_warning(tmp_path, monkeypatch):
+    """Whatever fails inside the experimental cache never reaches the user: here the cache runs without the
+    setting that the region above needs, so compiling it fails inside the cache; the call still returns the right
+    result, one warning names TLLM_SPEC_TRACE_CACHE, and the cache is off for every wrapper from then on."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "1")
+    monkeypatch.setattr(trace_cache, "_bundled_entries", contextlib.nullcontext)
+    trace_cache.reset()
+    x = torch.arange(4.0)
+    view, plus_one = (trace_cache.compile(f, backend="inductor", dynamic=True) for f in (_view, _plus_one))
+    with pytest.warns(UserWarning, match=f"failed inside the trace cache.*{trace_cache.TRACE_CACHE_VAR}=0") as seen:
+        with trace_cache.caching(), torch.inference_mode():
+            assert torch.equal(view(x), x)
+            assert torch.equal(view(x + 1), x + 1) and torch.equal(plus_one(x), x + 1)
+    assert len([w for w in seen if "trace cache" in str(w.message)]) == 1
+    assert "expected OutputCode" in str(seen[0].message)
+    assert not trace_cache.enabled() and not trace_cache.save()
+    trace_cache.reset()
+    assert trace_cache.enabled()

@@ -32,6 +32,16 @@ What the DynamoCache asks of its user, and how tllm_spec meets it:
   options in a process that caches traces, and every caller shares it.
 - torch warns once for every guard it leaves out of a package: hundreds of lines on a fresh start, and expected
   here (the first point). Those warnings are filtered out of ``torch._dynamo.guards``'s log; its others stay.
+- A traced region without a single operation (a graph break's remainder that only returns a view of its input)
+  failed to compile with ``AssertionError: expected OutputCode, got <class 'method'>`` (torch 2.11 on an H100,
+  the second of two models in a process; torch 2.13 on the CPU for ``x[...]``): Inductor returns such a graph's
+  ``forward`` uncompiled unless ``torch._functorch.config.bundled_autograd_cache`` is set, but the DynamoCache
+  bundles AOTAutograd's entries whenever it is on, and a bundled entry needs compiled code. :func:`caching` sets
+  that flag too.
+
+Whatever else fails inside this experimental cache never reaches the user: a compiled function whose cached
+compilation raises a Dynamo error is compiled again without the cache, the cache is off for the rest of the
+process, and one warning names ``TLLM_SPEC_TRACE_CACHE`` (:func:`compile`).
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ import torch
 
 TRACE_CACHE_VAR = "TLLM_SPEC_TRACE_CACHE"
 _prepared = [False]  # _prepare_process ran in this process
+_failed = [False]  # a compilation failed inside the cache in this process: compile without it from then on
 _wrappers: dict[tuple[Callable, str], Callable] = {}  # (function, options) -> its one wrapper while caching
 
 
@@ -56,7 +67,7 @@ def enabled() -> bool:
     ``TLLM_SPEC_TRACE_CACHE`` is not "0"."""
     from torch._dynamo import bytecode_transformation
 
-    return (os.environ.get(TRACE_CACHE_VAR, "1").strip() != "0"
+    return (not _failed[0] and os.environ.get(TRACE_CACHE_VAR, "1").strip() != "0"
             and hasattr(torch._dynamo.config, "caching_precompile")
             and hasattr(bytecode_transformation, "_unique_id_counter"))
 
@@ -69,7 +80,7 @@ def caching() -> Iterator[None]:
         yield
         return
     _prepare_process()
-    with torch._dynamo.config.patch(caching_precompile=True):
+    with torch._dynamo.config.patch(caching_precompile=True), _bundled_entries():
         yield
 
 
@@ -78,19 +89,49 @@ def compile(fn: Callable, **options) -> Callable:
     state the step runs in, which a loaded package's guards take from the moment they are installed); where traces
     are cached, the same wrapper for every call with this function and options in the process. A package that
     fails to load (torch raises while installing its guards) is deleted with a warning, and ``fn`` is traced
-    afresh and saved again."""
+    afresh and saved again. A call whose compilation fails inside the cache (a Dynamo error) turns the cache off
+    for the process with one warning and runs ``fn`` through a plain ``torch.compile``, as every wrapper's later
+    calls do."""
     if not enabled():
         return _compile_loading(fn, **options)
     key = (fn, repr(sorted(options.items())))
     if key not in _wrappers:
-        _wrappers[key] = _compile_loading(fn, **options)
+        _wrappers[key] = _falling_back(fn, options, _compile_loading(fn, **options))
     return _wrappers[key]
 
 
+def _falling_back(fn: Callable, options: dict, cached: Callable) -> Callable:
+    """``cached`` (``fn`` compiled with the cache) until a compilation fails inside the cache in this process;
+    a plain ``torch.compile(fn, **options)`` from then on."""
+    plain: list[Callable] = []
+
+    def run(*args, **kwargs):
+        if not _failed[0]:
+            try:
+                return cached(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as err:  # raised while compiling, before any kernel ran
+                _turn_off(fn, err)
+        with torch._dynamo.config.patch(caching_precompile=False):  # a wrapper made while caching has a package
+            if not plain:
+                plain.append(torch.compile(fn, **options))
+            return plain[0](*args, **kwargs)
+    return run
+
+
+def _turn_off(fn: Callable, err: Exception) -> None:
+    _failed[0] = True
+    cause = getattr(err, "inner_exception", None) or err  # BackendCompilerFailed wraps the backend's error
+    lines = str(cause).strip().splitlines()
+    warnings.warn(f"tllm_spec: compiling {fn.__qualname__} failed inside the trace cache ({type(cause).__name__}"
+                  f"{': ' + lines[0] if lines else ''}); compiling without it for the rest of this process (set "
+                  f"{TRACE_CACHE_VAR}=0 to turn it off)", stacklevel=4)
+
+
 def reset() -> None:
-    """Forget this process's traces (``torch._dynamo.reset``) and wrappers: the next :func:`compile` loads its
-    function's package from disk again."""
+    """Forget this process's traces (``torch._dynamo.reset``), wrappers and any failure: the next :func:`compile`
+    loads its function's package from disk again."""
     _wrappers.clear()
+    _failed[0] = False
     torch._dynamo.reset()
 
 
@@ -136,6 +177,16 @@ def save() -> bool:
         for key, entry in entries.items():
             DynamoCache.write(entry, key)
     return bool(entries)
+
+
+def _bundled_entries() -> contextlib.AbstractContextManager:
+    """Inside: the functorch setting the DynamoCache needs for graphs without operations (see the module's
+    docstring), where this torch has it."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "bundled_autograd_cache"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(bundled_autograd_cache=True)
 
 
 def _prepare_process() -> None:

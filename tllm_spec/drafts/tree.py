@@ -129,13 +129,17 @@ class TreeTensors:
         return self.paths.shape[-1] - 1
 
     def __getitem__(self, index) -> TreeTensors:
-        return TreeTensors(*(x[index] for x in vars(self).values()))
+        return self._map(lambda x: x[index])
 
     def batched(self, num: int) -> TreeTensors:
         """One tree per request: a shared tree expanded (views) to ``num`` requests; a batched one as it is."""
         if self.parents.dim() == 2:
             return self
-        return TreeTensors(*(x.expand(num, *x.shape) for x in vars(self).values()))
+        return self._map(lambda x: x.expand(num, *x.shape))
+
+    def _map(self, fn) -> TreeTensors:
+        # fields named, not vars(self): torch 2.11's Dynamo breaks the compiled step's graph at vars() of an object
+        return TreeTensors(fn(self.parents), fn(self.depths), fn(self.ancestors), fn(self.paths), fn(self.children))
 
     def relative_masks(self) -> torch.Tensor:
         """[..., N+1] int64: each tree token's visibility as paged attention takes it (``tree_mask``): bit j lets

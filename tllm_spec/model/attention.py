@@ -47,6 +47,14 @@ class AttentionMetadata:
     rope_positions: torch.Tensor | None = None  # [N] RoPE position per token where it differs from its cache row
     tree_mask: torch.Tensor | None = None  # [N] int64: a draft tree's visibility per token (paged_attention_ref)
 
+    def with_tree(self, rope_positions: torch.Tensor, tree_mask: torch.Tensor) -> AttentionMetadata:
+        """This metadata for a draft tree's tokens (see the class): every field named, not copied through vars(),
+        at which torch 2.11's Dynamo broke the compiled step's graph and compiled the dataclass's generated
+        ``__init__`` as a frame of its own, whose source the trace cache cannot name."""
+        return AttentionMetadata(self.kv_cache, self.positions, self.token_slots, self.max_kv_len, self.context_lens,
+                                 self.write_slots, self.tokens_per_request, self.context_starts, rope_positions,
+                                 tree_mask)
+
     @property
     def rotary_positions(self) -> torch.Tensor:
         """The positions RoPE rotates by: ``positions`` (each token's cache row), or a draft tree's own (nodes of

@@ -91,7 +91,7 @@ class TreeStep:
         rope = torch.cat([attn.positions[:num_context_tokens], (runs[:, :1] + tensors.depths).flatten()])
         masks = torch.cat([torch.full((num_context_tokens,), ALL_VISIBLE, dtype=torch.int64, device=rope.device),
                            masks.expand(num_generation, size).flatten()])
-        return AttentionMetadata(**{**vars(attn), "rope_positions": rope, "tree_mask": masks})
+        return attn.with_tree(rope, masks)
 
     def accept(self, target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_contexts: int,
                spec_metadata: SpecMetadata, forced: torch.Tensor | None, gen_slots: torch.Tensor,
