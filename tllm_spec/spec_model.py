@@ -4,6 +4,9 @@ modules) and decode. It owns one long-lived :class:`EngineLoop` (the thread that
 nn.Module). Safe to call from several threads: every call becomes messages to the engine thread."""
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from .model.target import TargetModel
 from .modes import SpeculativeDecodingMode
 from .sampling.logprobs import logprobs_width
 
+log = logging.getLogger("tllm_spec")
 WARMUP_VARIANTS = ((True, False, 0), (False, False, 0), (False, True, 0))  # greedy, sampled, sampled with seeds
 
 
@@ -31,6 +35,23 @@ class SpecModel:
 
     def __init__(self, runner: ModelRunner):
         self.loop = EngineLoop(Engine(runner))
+        # before the process group's own exit hook, registered earlier while loading (hooks run last-in first-out)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def close(self) -> None:
+        """Stop the engine's thread (requests still running end with "abort", their pages freed) and release the
+        CUDA graphs. Called at interpreter exit for every model still open: a tensor-parallel rank cannot close its
+        NCCL communicator while graphs that captured its collectives exist (its ranks hung at exit)."""
+        if not self.loop.close():
+            log.warning("the engine's thread did not stop within 10 s; its CUDA graphs are kept")
+            return
+        self.runner.release_graphs()
+
+    def __enter__(self) -> SpecModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, spec_config: Eagle3Config | MTPConfig | None = None,
@@ -134,3 +155,9 @@ class SpecModel:
 
     def decode(self, token_ids: list[int]) -> str | None:
         return self.engine.decode(token_ids)
+
+
+def _close_at_exit(model: weakref.ref[SpecModel]) -> None:
+    alive = model()
+    if alive is not None:
+        alive.close()

@@ -24,10 +24,10 @@ def _model(arch, k, dtype, eager, **kw):
     target, head = tiny_pair(arch)
     spec = eagle3(head, k) if k else None
     return target, SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=8,
-                                             enforce_eager=eager, **kw)
+                                             enforce_eager=eager, **{"compile_step": True, **kw})
 
 
-# one case checks the shipped default (the step compiled whole); the rest capture eager kernels
+# one case checks the step compiled whole (the default for large targets); the rest capture eager kernels
 @pytest.mark.parametrize("arch,k", [pytest.param(a, k, marks=[pytest.mark.compiles] if (a, k) == ("llama", 3) else [])
                                     for k in (0, 1, 3) for a in ("llama", "qwen3", "mistral")])
 def test_graphed_greedy_is_lossless_fp32(arch, k):
@@ -137,7 +137,7 @@ def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypa
             return _model("llama", 3, torch.bfloat16, eager=eager)[1]
         return SpecModel.from_pretrained(mtp_target("llama", "deepseek"), MTPConfig(num_nextn_predict_layers=1,
                                          max_draft_len=3), dtype=torch.bfloat16, device="cuda", max_batch_size=8,
-                                         enforce_eager=eager)
+                                         enforce_eager=eager, compile_step=True)
     rule, taken = layers.one_request_kernels, set()
 
     def recorded(x, attn):
@@ -145,6 +145,8 @@ def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypa
         return rule(x, attn)
     monkeypatch.setattr(layers, "one_request_kernels", recorded)
     monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, with the patch: not loaded from disk
+    torch._dynamo.reset()  # nor reused from an earlier test in this process: a trace made while traces were cached
+    # has no guard on the patched function's identity (trace_cache.py), so it would run the unpatched one
     fast, eager = build(False), build(True)
     batches, params = ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2]), SamplingParams(max_new_tokens=24)
     fast_tokens = [[o.token_ids for o in fast.generate(prompts, params)] for prompts in batches]
@@ -164,15 +166,18 @@ def test_compiled_step_is_one_graph_with_flashinfer_sampling(spec, rejection, mo
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
+    vocab = flashinfer_ops.MIN_VOCAB  # smaller vocabularies sample on the torch path
     if spec == "mtp":
         config = MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, use_rejection_sampling=rejection)
-        model = SpecModel.from_pretrained(mtp_target("llama", "deepseek"), config, dtype=torch.float32,
-                                          device="cuda", max_batch_size=8)
+        model = SpecModel.from_pretrained(mtp_target("llama", "deepseek", vocab), config, dtype=torch.float32,
+                                          device="cuda", max_batch_size=8, compile_step=True)
     else:
-        target, head = tiny_pair("llama")
+        target, head = tiny_pair("llama", vocab_size=vocab)
         config = eagle3(head, 3).model_copy(update={"use_rejection_sampling": rejection}) if spec == "eagle3" else None
-        model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8)
+        model = SpecModel.from_pretrained(target, config, dtype=torch.float32, device="cuda", max_batch_size=8,
+                                          compile_step=True)
     assert model.runner.compiles_step_whole and model.runner.graph_runner.step is not generation_step
+    assert model.worker.use_flashinfer
     graphs = {}
     for size in (1, 2, 3, 5, 8):
         model.generate(PROMPTS[:size] + PROMPTS[:max(0, size - len(PROMPTS))],
@@ -296,7 +301,8 @@ def test_run_ahead_equals_one_step_at_a_time(spec, monkeypatch):
 @pytest.mark.compiles
 def test_warmup_leaves_no_capture_for_greedy_sampled_or_seeded_requests():
     target, head = tiny_pair("llama")
-    model = SpecModel.from_pretrained(target, eagle3(head, 3), dtype=torch.float32, device="cuda", max_batch_size=4)
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), dtype=torch.float32, device="cuda", max_batch_size=4,
+                                      compile_step=True)
     held = model.warmup()
     assert held >= 3 * len(model.runner.graph_runner.buckets)
     kinds = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8),
@@ -311,7 +317,9 @@ def test_warmup_waits_for_flashinfers_build_before_the_first_sampled_graph_only(
     seeded rows sample on the torch path), then names the wait on its bar and waits, before the first sampled one."""
     from tllm_spec.engine.cuda_graphs import variant_name
 
-    _, model = _model("llama", 3, torch.float32, eager=False, compile_step=False)
+    target, head = tiny_pair("llama", vocab_size=flashinfer_ops.MIN_VOCAB)  # sampled through FlashInfer
+    model = SpecModel.from_pretrained(target, eagle3(head, 3), dtype=torch.float32, device="cuda", max_batch_size=8,
+                                      compile_step=False)
     runner, waits = model.runner.graph_runner, []
     monkeypatch.setattr(flashinfer_ops, "sampling_build_running", lambda: not waits)
     monkeypatch.setattr(flashinfer_ops, "wait_sampling_build",
@@ -319,3 +327,17 @@ def test_warmup_waits_for_flashinfers_build_before_the_first_sampled_graph_only(
     model.warmup()
     assert waits and waits[0] == {"greedy", "seeded"}
     assert {variant_name(key[3:]) for key in runner.graphs} == {"greedy", "seeded", "sampled"}
+
+
+def test_the_embedded_demo_captures_its_eager_step_and_samples_without_flashinfer():
+    """compile_step="auto" and the sampler's vocabulary rule: the demo pair (8M parameters, 4096 tokens) is ready
+    without a torch.compile or FlashInfer's JIT build, and its sampled output follows its seeds as before."""
+    from tllm_spec import Eagle3Config
+
+    model = SpecModel.from_pretrained("demo://target", Eagle3Config(speculative_model="demo://eagle3"),
+                                      device="cuda", max_batch_size=4)
+    assert model.runner.graph_runner.step is generation_step and not model.worker.use_flashinfer
+    model.warmup()
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3)
+    outs = model.generate([[5, 17, 3], [12, 8]], params)
+    assert outs[0].token_ids == model.generate([[5, 17, 3]], params)[0].token_ids and len(outs[1].token_ids) == 16

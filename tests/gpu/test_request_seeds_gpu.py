@@ -43,6 +43,8 @@ def test_seeded_rows_bypass_flashinfer(monkeypatch):
 
     monkeypatch.setattr(sampling, "sample_flashinfer", refuse)
     monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, with the patch: not loaded from disk
+    torch._dynamo.reset()  # nor reused from an earlier test in this process: a trace made while traces were cached
+    # has no guard on the patched function's identity (trace_cache.py), so it would run the unpatched one
     model = _model(False, eager=False)
     out = model.generate([PROMPTS[0], PROMPTS[1]], [MINE, MINE.model_copy(update={"seed": 78})])
     assert all(len(o.token_ids) == 24 for o in out)

@@ -134,6 +134,16 @@ class Engine:
                 return True
         return False
 
+    def abort_all(self) -> None:
+        """End every queued and running request with "abort" now (between steps): pages freed, last outputs out."""
+        waiting, self.waiting = list(self.waiting), deque()
+        for r in [*waiting, *self.running]:
+            if not r.finish_reason:
+                r.fail("abort")
+        for r in waiting:
+            self.on_output(r.stream_output())
+        self._retire(self.running)
+
     def step(self) -> None:
         """Admit what fits, plan the step (prompt chunks within ``max_num_batched_tokens``, FIFO, and every
         generation request: :mod:`.scheduler`), then run it until one of its requests ends or the engine's thread

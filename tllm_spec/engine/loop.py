@@ -22,7 +22,7 @@ Deliver = Callable[[StreamOutput], None]
 
 class EngineLoop:
     """Messages in (add, abort, call), stream outputs out, one callback per request. The thread starts on the
-    first message and runs as long as the process (a daemon)."""
+    first message and runs until :meth:`close` (a daemon)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -34,6 +34,7 @@ class EngineLoop:
         self._num_threads = torch.get_num_threads()  # intra-op threads of the thread that made the model
         self._incoming = 0  # requests announced (on their way: being read, checked) and not yet submitted
         self._held: tuple | None = None  # a message taken between steps run ahead, handled at the step boundary
+        self._closed = False
         engine.on_output = self._on_output
         engine.should_yield = self._take_news
         engine.admission.num_incoming = lambda: self._incoming
@@ -89,6 +90,18 @@ class EngineLoop:
         """A copy of the engine's decode-step timer, taken between steps."""
         return self.call(lambda: DecodeTimer(**vars(self.engine.timer)))
 
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the engine's thread at the next step boundary: requests still queued or running end with "abort"
+        (pages freed, last outputs delivered) and the thread exits. Later messages raise RuntimeError. Whether the
+        thread has ended (False: still inside a step after ``timeout`` seconds)."""
+        with self._lock:
+            self._closed, thread = True, self._thread
+        if thread is None:
+            return True
+        self._inbox.put(("stop",))
+        thread.join(timeout)
+        return not thread.is_alive()
+
     @property
     def num_live(self) -> int:
         with self._lock:
@@ -96,6 +109,8 @@ class EngineLoop:
 
     def _post(self, message: tuple) -> None:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this model is closed")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="tllm_spec-engine", daemon=True)
                 self._thread.start()
@@ -116,7 +131,7 @@ class EngineLoop:
         torch.set_num_threads(self._num_threads)
         if self.engine.runner.device.type == "cuda":
             torch.cuda.set_device(self.engine.runner.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.suppress(_Stop):
             while True:
                 if self._held is not None:
                     message, self._held = self._held, None
@@ -186,6 +201,14 @@ class EngineLoop:
                 done.put((True, fn()))
             except Exception as err:
                 done.put((False, err))
+        elif kind == "stop":
+            self.engine.abort_all()
+            self._orphans_fail(RuntimeError("this model was closed"))
+            raise _Stop
+
+
+class _Stop(Exception):
+    """Leaves the engine thread's loop (a "stop" message: :meth:`EngineLoop.close`)."""
 
 
 class Announcement:

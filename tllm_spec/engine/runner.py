@@ -20,7 +20,7 @@ from ..one_model import OneModel, packed_columns
 from ..sampling import flashinfer_ops
 from ..sampling.forcing import read_forced_num_accepted
 from ..sampling.logprobs import MAX_LOGPROBS
-from .cuda_graphs import CUDAGraphRunner
+from .cuda_graphs import CUDAGraphRunner, compile_pays
 from .draft_len import DraftLenSchedule
 
 _DEFAULT_MAX_SEQ_LEN = 8192
@@ -43,6 +43,7 @@ class ModelRunner:
             getattr(target.config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN), _DEFAULT_MAX_SEQ_LEN)
         self.eos_token_ids = _eos_token_ids(target, tokenizer)
         device = target.lm_head.weight.device
+        worker.use_flashinfer = worker.use_flashinfer and flashinfer_ops.worth_it(target.vocab_size)
         if worker.use_flashinfer:  # its JIT build (minutes on a fresh machine) runs beside what follows
             flashinfer_ops.start_sampling_build(device)
         metadata = SpecMetadata(self.max_batch_size, self.max_draft_len, target.vocab_size, device)
@@ -57,8 +58,9 @@ class ModelRunner:
             worker.fuse(self.max_positions_per_request)
             self.bind_kv_cache()
         use_graphs = device.type == "cuda" and not engine_config.enforce_eager
-        self._compile_whole = use_graphs and engine_config.compile_step and self.compiles_step_whole
-        if use_graphs and engine_config.compile_step and not self._compile_whole:
+        compiles = use_graphs and compile_pays(engine_config.compile_step, target)
+        self._compile_whole = compiles and self.compiles_step_whole
+        if compiles and not self._compile_whole:
             target.compile()
             worker.compile()
         self.graph_runner = self.new_graph_runner() if use_graphs else None
@@ -122,6 +124,14 @@ class ModelRunner:
     @property
     def draft_len_schedule(self) -> dict[int, int]:
         return self.schedule.as_dict()
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs and their memory pool (the engine is stopped: a closed model); a later
+        step would capture again."""
+        if self.graph_runner is not None:
+            self.graph_runner = self.new_graph_runner()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def set_draft_len_schedule(self, schedule: Mapping[int, int] | None) -> None:
         """Replace the draft-length schedule. Captured graphs are kept: they are keyed by their draft lengths."""

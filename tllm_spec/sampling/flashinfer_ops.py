@@ -15,6 +15,10 @@ import warnings
 import torch
 
 MIN_VERSION = (0, 7)
+# vocabularies below this sample on the torch path on CUDA too: its sort over a few thousand logits is a handful of
+# small kernels inside the graph, and a model that small (the embedded demo, 4096) should not wait for FlashInfer's
+# sampling JIT build (a minute or more on a fresh machine) to start
+MIN_VOCAB = 32768
 
 
 @functools.cache
@@ -46,6 +50,11 @@ def _unusable(reason: str) -> None:
 @torch.compiler.assume_constant_result  # a compiled step bakes the answer in instead of tracing the import
 def available(device: torch.device) -> bool:
     return device.type == "cuda" and load_flashinfer() is not None
+
+
+def worth_it(vocab_size: int) -> bool:
+    """Whether a model of ``vocab_size`` samples with FlashInfer (where it is available): see MIN_VOCAB."""
+    return vocab_size >= MIN_VOCAB
 
 
 _build_lock = threading.Lock()

@@ -24,11 +24,16 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
 DRAFT_VOCAB_SIZE = 32000  # EAGLE-3 heads for Llama-3.1-8B / Qwen3-8B (e.g. EAGLE3-LLaMA3.1-Instruct-8B)
 SHAPES = {
     "tiny": TINY,
+    "demo": dict(hidden_size=192, intermediate_size=640, num_hidden_layers=16, num_attention_heads=3,
+                 num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, vocab_size=4096),  # demo://target
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=4096, vocab_size=32000),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
                          rope_theta=500000.0),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
+                         rope_theta=500000.0, tie_word_embeddings=True),
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                           num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
                           rope_theta=500000.0),
