@@ -80,6 +80,8 @@ def parse_args() -> argparse.Namespace:
                    "and with fused layers not compiled, on fresh targets: the gain of each step of the fast path")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target over N GPUs (torchrun "
                    "--nproc-per-node N); HF generate is then skipped")
+    p.add_argument("--tp-all-reduce", choices=["auto", "nccl"], default="auto", help="EngineConfig.tp_all_reduce: "
+                   "small all-reduces one-shot over symmetric memory (auto) or all through NCCL")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1")
     p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
@@ -138,16 +140,21 @@ def main() -> None:
     forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
     bandwidth = measure_bandwidth(device)
     engine = dict(max_batch_size=max(args.batches), max_seq_len=args.prompt_len + args.new_tokens + 8,
-                  kv_cache_fraction=0.2 if args.compare_eager else 0.5, tensor_parallel_size=tp)
+                  kv_cache_fraction=0.2 if args.compare_eager else 0.5, tensor_parallel_size=tp,
+                  tp_all_reduce=args.tp_all_reduce)
     results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
+               "tp_all_reduce": args.tp_all_reduce,
                "dtype": "bfloat16",
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None}
-    variants = [("default", {})]
-    if args.compare_eager:
-        variants += [("fused, not compiled", dict(compile_step=False)),
+    variants, default_models = [("default", {})], None
+    if args.compare_eager:  # the default compiles the step where compile_step="auto" finds that it pays
+        variants += [("fused, compiled", dict(compile_step=True)), ("fused, not compiled", dict(compile_step=False)),
                      ("stock HF layers", dict(use_fused_layers=False, compile_step=False))]
     for name, options in variants:
+        if name != "default" and options.get("use_fused_layers", True) and \
+                options.get("compile_step") == default_models[1].runner.graph_runner.compile_step:
+            continue  # the default already measured it
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as workdir:
             spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", spec_fields=tree,
@@ -159,7 +166,8 @@ def main() -> None:
         for model in (plain, spec):
             if model.runner.graph_runner is not None:
                 model.runner.graph_runner.capture_all()
-        tqdm.write(f"{name}: built, compiled and captured in {time.perf_counter() - start:.1f} s")
+        tqdm.write(f"{name}: built, {'compiled and ' if spec.runner.graph_runner.compile_step else ''}captured in "
+                   f"{time.perf_counter() - start:.1f} s")
         jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in todo]
         for batch, f, model in tqdm(jobs, desc=f"benchmark ({name})", disable=not first):
             point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])

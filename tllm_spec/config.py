@@ -256,14 +256,23 @@ class EngineConfig(_Frozen):
     use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral), "
                                    "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "
                                    "gate/up GEMMs; False: the stock HF modules")
-    compile_step: bool = Field(True, description="CUDA: torch.compile the step each CUDA graph captures: whole "
-                               "(acceptance, sampling, draft passes; the decoder layers one compiled layer each) "
-                               "on a fused single-GPU target; "
-                               "else the decoder (stock layers one by one) and the EAGLE-3 head's passes; "
-                               "ignored on CPU and with enforce_eager")
+    compile_step: Literal["auto"] | bool = Field("auto", description="CUDA: torch.compile the step each CUDA "
+                                                 "graph captures: whole (acceptance, sampling, draft passes; the "
+                                                 "decoder layers one compiled layer each) on a fused single-GPU "
+                                                 "target, else the decoder (stock layers one by one) and the "
+                                                 "EAGLE-3 head's passes. 'auto': where it pays, a target of at "
+                                                 "least COMPILE_MIN_WEIGHT_BYTES of weights per GPU "
+                                                 "(engine/cuda_graphs.py, with the measurements behind it); "
+                                                 "smaller ones capture the eager step, which starts in seconds. "
+                                                 "Ignored on CPU and with enforce_eager")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) the target is split over; "
                                       "launch with torchrun --nproc-per-node N (gloo on CPU); the draft is "
                                       "replicated on every rank")
+    tp_all_reduce: Literal["auto", "nccl"] = Field("auto", description="tensor parallel on GPUs: 'auto' sums "
+                                                   "inputs up to 512 KB (the decoding steps' all-reduces) with a "
+                                                   "one-shot kernel over peer-to-peer symmetric memory where "
+                                                   "torch and the GPUs allow it, larger ones through NCCL; "
+                                                   "'nccl': every all-reduce through NCCL")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

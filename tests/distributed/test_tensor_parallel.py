@@ -208,6 +208,55 @@ def test_torchrun_generate_script_tp2(tmp_path):
     assert done.stdout.count("w5 w17 w3") == 1  # printed by rank 0 only
 
 
+EXIT_PROGRAM = """
+import os, sys, time
+from pathlib import Path
+import torch
+from tllm_spec import SamplingParams, SpecModel
+from tests.models import eagle3
+target, head, device, fail_rank = sys.argv[1:5]
+model = SpecModel.from_pretrained(target, eagle3(Path(head), 3), device=device, dtype=torch.float32,
+                                  max_batch_size=2, tensor_parallel_size=2, compile_step=False)
+rank = int(os.environ["RANK"])
+for _ in range(2):  # the failing rank raises after the first; its peer then waits in the second's collectives
+    model.generate([[5, 17, 3]], SamplingParams(max_new_tokens=8))
+    if rank == int(fail_rank):
+        print(f"END {time.time()}", flush=True)
+        raise RuntimeError(f"rank {rank} fails on purpose")
+print(f"END {time.time()}", flush=True)
+"""
+
+
+def torchrun_until_exit(device: str, fail_rank: int, timeout: float = TIMEOUT_S) -> tuple[int, float, str]:
+    """A program that builds a TP2 model and decodes under torchrun (``fail_rank`` raises after its first
+    generate; -1: none): (torchrun's exit status, seconds from the last program end a rank printed to torchrun's
+    exit, the output)."""
+    import time
+
+    target, head = tiny_tp_pair("llama")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+           sys.executable, "-c", EXIT_PROGRAM, str(target), str(head), device, str(fail_rank)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    ended = time.time()
+    ends = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("END ")]
+    return done.returncode, ended - max(ends) if ends else float("inf"), done.stdout + done.stderr
+
+
+def test_torchrun_ranks_exit_after_the_program_ends():
+    code, seconds, output = torchrun_until_exit("cpu", -1)
+    assert code == 0, output[-3000:]
+    assert output.count("END ") == 2 and seconds < 10, (seconds, output[-3000:])
+    assert "Traceback" not in output
+
+
+def test_a_rank_that_raises_ends_every_rank_with_its_error_printed_once():
+    code, seconds, output = torchrun_until_exit("cpu", 1)
+    assert code != 0 and seconds < 30, (code, seconds, output[-3000:])
+    assert output.count("rank 1 fails on purpose") == 1, output[-3000:]
+
+
 def _random_tp2_model(workdir: str) -> dict:
     from tllm_spec.tools.benchmark import step_bytes
     from tllm_spec.tools.random_models import random_spec_model

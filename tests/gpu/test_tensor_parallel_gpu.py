@@ -1,5 +1,6 @@
-"""Tensor parallelism on 2 GPUs (NCCL): compiled, CUDA-graphed steps with the collectives inside the graph.
-Skipped unless 2 GPUs are visible."""
+"""Tensor parallelism on 2 GPUs (NCCL): CUDA-graphed steps with the collectives inside the graph (one case
+compiled: each compilation of a tensor-parallel step takes a minute or more), and torchrun jobs that end: every
+rank exits after the program, and a rank that raises ends them all. Skipped unless 2 GPUs are visible."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,32 +11,54 @@ import torch
 from tllm_spec import SamplingParams
 from tllm_spec.spec_model import SpecModel
 
-from ..distributed.test_tensor_parallel import MAX_NEW, PROMPTS, WORLD_SIZE, run_ranks, tiny_tp_pair
+from ..distributed.test_tensor_parallel import (
+    MAX_NEW,
+    PROMPTS,
+    WORLD_SIZE,
+    run_ranks,
+    tiny_tp_pair,
+    torchrun_until_exit,
+)
 from ..models import eagle3, hf_greedy
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE,
                                                     reason=f"needs {WORLD_SIZE} GPUs")]
 
 
-def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_size: int) -> dict:
+def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_size: int, compile_step: bool) -> dict:
     spec = eagle3(Path(head), 3) if head else None
-    model = SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=4,
-                                      tensor_parallel_size=tensor_parallel_size)
-    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
-    return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs)}
+    with SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=4,
+                                   tensor_parallel_size=tensor_parallel_size, compile_step=compile_step) as model:
+        outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])  # closed before the
+        return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs)}  # group
 
 
-@pytest.mark.compiles
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("dtype,speculative", [
+    pytest.param(torch.bfloat16, True, marks=pytest.mark.compiles), (torch.float32, True), (torch.float32, False),
+    (torch.bfloat16, False)])
 def test_tp2_graphed_greedy_equals_tp1(dtype, speculative):
     target, head = tiny_tp_pair("llama")
     head = str(head) if speculative else None
-    ranks = run_ranks(_greedy, str(target), head, dtype, WORLD_SIZE, backend="nccl")
+    compile_step = dtype == torch.bfloat16 and speculative
+    ranks = run_ranks(_greedy, str(target), head, dtype, WORLD_SIZE, compile_step, backend="nccl")
     for answer in ranks:
         assert isinstance(answer, dict), answer
     assert ranks[0] == ranks[1] and ranks[0]["graphs"] > 0  # steps replayed CUDA graphs with NCCL inside
-    tp1 = _greedy(str(target), head, dtype, 1)
+    tp1 = _greedy(str(target), head, dtype, 1, compile_step)
     assert ranks[0]["tokens"] == tp1["tokens"]
     if dtype == torch.float32:
         assert tp1["tokens"] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def test_torchrun_ranks_exit_within_10_s_of_the_program_end():
+    """NCCL ranks once hung at exit: the communicator could not close while CUDA graphs that captured its
+    collectives were alive (the engine's thread kept the model)."""
+    code, seconds, output = torchrun_until_exit("cuda", -1)
+    assert code == 0, output[-3000:]
+    assert output.count("END ") == 2 and seconds < 10, (seconds, output[-3000:])
+
+
+def test_a_rank_that_raises_ends_every_rank_within_30_s():
+    code, seconds, output = torchrun_until_exit("cuda", 1)
+    assert code != 0 and seconds < 30, (code, seconds, output[-3000:])
+    assert output.count("rank 1 fails on purpose") == 1, output[-3000:]

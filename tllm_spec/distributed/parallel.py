@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
+
+from . import symmetric
 
 _c10d = torch.ops._c10d_functional
 
@@ -67,11 +70,22 @@ class TensorParallel:
 
 def _destroy_process_group() -> None:
     """Close the default process group at interpreter exit (registered only where :meth:`TensorParallel.setup`
-    opened it; a caller's own group is the caller's to close). Left to the NCCL process group's
-    destructor, a finished torchrun rank hung in teardown on 2 H200s (the benchmark had written its results;
-    torchrun's timeout killed it minutes later)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    opened it; a caller's own group is the caller's to close), after every open model has released the CUDA
+    graphs that captured its collectives (:meth:`tllm_spec.SpecModel.close`, whose exit hook runs first: NCCL
+    cannot close a communicator such graphs still use, and finished ranks hung here on 2 H200s). A process that
+    exits on an unhandled exception aborts the group instead: its peers may wait in a collective it will never
+    join, which an orderly destroy could wait for."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    if getattr(sys, "last_value", None) is not None and hasattr(distributed_c10d, "_abort_process_group"):
+        try:
+            distributed_c10d._abort_process_group()
+            return
+        except Exception:  # noqa: BLE001 - a backend without abort (gloo): destroy it as usual
+            pass
+    dist.destroy_process_group()
 
 
 def local_process_device(device: torch.device) -> torch.device:
@@ -99,7 +113,11 @@ def check_shardable(config: PretrainedConfig, size: int) -> None:
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of ``x`` over the group (after a row-parallel GEMM). Same shape."""
+    """Sum of ``x`` over the group (after a row-parallel GEMM). Same shape. Small inputs of a group with
+    symmetric memory go through the one-shot kernel (:mod:`.symmetric`), the rest through the process group."""
+    buffer = symmetric.one_shot_buffer(x, group_name)
+    if buffer is not None:
+        return symmetric.one_shot_all_reduce(buffer, x, group_name)
     return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group_name))
 
 

@@ -10,6 +10,7 @@ import torch
 
 from .. import demo
 from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, EngineConfig, MTPConfig
+from ..distributed import symmetric
 from ..distributed.parallel import TensorParallel, local_process_device
 from ..drafts.base import SpecWorkerBase
 from ..drafts.eagle3.worker import build_eagle3_worker
@@ -17,7 +18,6 @@ from ..drafts.mtp.worker import build_mtp_worker
 from ..drafts.plain import PlainWorker
 from ..model.target import TargetModel
 from ..modes import SpeculativeDecodingMode
-from ..sampling import flashinfer_ops
 from ..tokenizer import load_tokenizer
 from .runner import ModelRunner
 
@@ -35,8 +35,6 @@ def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: t
     device = resolve_device(device)
     parallel = _tensor_parallel(engine_config, spec_config, device)
     device = local_process_device(device) if parallel else device
-    flashinfer_ops.start_sampling_build(device)  # every worker samples with FlashInfer on CUDA: its JIT build
-    # (a minute or more on a fresh machine) runs beside the loading of the weights and the draft
     if str(target_dir) == DEMO_TARGET and isinstance(spec_config, MTPConfig) and spec_config.mtp_checkpoint is None:
         spec_config = spec_config.model_copy(update={"mtp_checkpoint": DEMO_MTP})  # shipped beside the target
     target_dir = demo.resolve(target_dir)
@@ -53,6 +51,9 @@ def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engin
                          f"over {tp_size} ranks")
     if tp_size > 1:
         _check_tp_spec(spec_config)
+        if engine_config.tp_all_reduce == "auto":  # every rank, together: a rendezvous
+            weight = target.lm_head.weight
+            symmetric.enable(target.parallel.group_name, weight.dtype, weight.device)
     if spec_config is None:
         return ModelRunner(target, PlainWorker(), SpeculativeDecodingMode.NONE, engine_config, tokenizer)
     spec_config = resolve_demo_paths(spec_config)
