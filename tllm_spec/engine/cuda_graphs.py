@@ -308,3 +308,6 @@ class EagerReplay:
 
     def replay(self) -> None:
         self.out.copy_(self.step())
+
+    def reset(self) -> None:
+        """Nothing to release (:meth:`torch.cuda.CUDAGraph.reset`'s counterpart)."""

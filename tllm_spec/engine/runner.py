@@ -129,8 +129,10 @@ class ModelRunner:
         """Drop the captured CUDA graphs and their memory pool (the engine is stopped: a closed model); a later
         step would capture again."""
         if self.graph_runner is not None:
-            self.graph_runner = self.new_graph_runner()
             torch.cuda.synchronize(self.device)
+            for graph, _ in self.graph_runner.graphs.values():
+                graph.reset()  # now, whoever still holds the graph runner: NCCL waits for graphs that use it
+            self.graph_runner = self.new_graph_runner()
             torch.cuda.empty_cache()
 
     def set_draft_len_schedule(self, schedule: Mapping[int, int] | None) -> None:
