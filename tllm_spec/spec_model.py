@@ -35,17 +35,15 @@ class SpecModel:
 
     def __init__(self, runner: ModelRunner):
         self.loop = EngineLoop(Engine(runner))
-        # before the process group's own exit hook, registered earlier while loading (hooks run last-in first-out)
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # at exit, before the process group's own hook (registered earlier, while loading: hooks run last-in first
+        # out); on the loop, which outlives this object while its thread runs (a program's main() may have returned)
+        atexit.register(_close_at_exit, weakref.ref(self.loop))
 
     def close(self) -> None:
         """Stop the engine's thread (requests still running end with "abort", their pages freed) and release the
-        CUDA graphs. Called at interpreter exit for every model still open: a tensor-parallel rank cannot close its
-        NCCL communicator while graphs that captured its collectives exist (its ranks hung at exit)."""
-        if not self.loop.close():
-            log.warning("the engine's thread did not stop within 10 s; its CUDA graphs are kept")
-            return
-        self.runner.release_graphs()
+        CUDA graphs. Done at interpreter exit for every engine still running: a tensor-parallel rank cannot close
+        its NCCL communicator while graphs that captured its collectives exist (its ranks hung at exit)."""
+        _close(self.loop)
 
     def __enter__(self) -> SpecModel:
         return self
@@ -157,7 +155,14 @@ class SpecModel:
         return self.engine.decode(token_ids)
 
 
-def _close_at_exit(model: weakref.ref[SpecModel]) -> None:
-    alive = model()
+def _close(loop: EngineLoop) -> None:
+    if not loop.close():
+        log.warning("the engine's thread did not stop within 10 s; its CUDA graphs are kept")
+        return
+    loop.engine.runner.release_graphs()
+
+
+def _close_at_exit(loop: weakref.ref[EngineLoop]) -> None:
+    alive = loop()
     if alive is not None:
-        alive.close()
+        _close(alive)

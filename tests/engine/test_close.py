@@ -45,8 +45,8 @@ def test_with_block_closes_a_model_that_never_ran():
 
 
 def test_models_left_open_are_closed_at_exit():
-    """A program that never closes its model: the exit hook stops the engine's thread before the interpreter
-    tears down (and prints nothing)."""
+    """A program that never closes its model, and drops it (as a main() that returns does): the exit hook stops
+    the engine's thread before the interpreter tears down (and prints nothing)."""
     target, head = tiny_pair("llama")
     code = textwrap.dedent(f"""
         import atexit, threading
@@ -55,8 +55,10 @@ def test_models_left_open_are_closed_at_exit():
         from pathlib import Path
         atexit.register(lambda: print("engine threads at exit:", sum(t.name == "tllm_spec-engine"
                                                                      for t in threading.enumerate())))
-        model = SpecModel.from_pretrained({str(target)!r}, eagle3(Path({str(head)!r}), 3))
-        print(model.generate([[5, 17, 3]], SamplingParams(max_new_tokens=4))[0].token_ids)
+        def main():  # the model is garbage once main() returns; its engine's thread still runs until exit
+            model = SpecModel.from_pretrained({str(target)!r}, eagle3(Path({str(head)!r}), 3))
+            print(model.generate([[5, 17, 3]], SamplingParams(max_new_tokens=4))[0].token_ids)
+        main()
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
