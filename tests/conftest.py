@@ -1,3 +1,6 @@
+import gc
+import threading
+
 import pytest
 import torch
 
@@ -15,3 +18,26 @@ def pytest_configure(config):
     # Tiny test models gain nothing from intra-op threads, and OpenMP spin-waits slow every op by 10-100x
     # when another process shares the cores: one thread keeps the suite's run time stable.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_engines_of_the_module():
+    """After each module, the engines whose model nobody holds any more (a session fixture's model stays) are
+    closed: an engine's thread keeps its model's weights alive until closed, and the suite builds hundreds of models
+    (10 GB resident by its end without this)."""
+    yield
+    from tllm_spec.spec_model import SpecModel
+
+    gc.collect()
+    held = {id(o.loop) for o in gc.get_objects() if type(o) is SpecModel}
+    for loop in _engine_loops():
+        if id(loop) not in held:
+            loop.close()
+
+
+def _engine_loops():
+    """The EngineLoops whose thread runs (the thread's target is the loop's bound method)."""
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        if thread.name == "tllm_spec-engine" and target is not None:
+            yield target.__self__

@@ -82,6 +82,7 @@ def _run(variants: list[str] | None, cache: Path, **env) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # real processes that torch.compile on the CPU: minutes
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
 def test_a_second_process_loads_the_steps_traces_and_traces_only_what_is_new(tmp_path):
     first = _run(["greedy"], tmp_path)
@@ -95,6 +96,7 @@ def test_a_second_process_loads_the_steps_traces_and_traces_only_what_is_new(tmp
     assert all(off["equal"]) and off["loaded"] == 0 and off["traced"] > 0 and not off["saved"]
 
 
+@pytest.mark.slow  # real processes that torch.compile on the CPU: minutes
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
 def test_two_models_steps_in_one_process_share_one_package(tmp_path):
     """Two compiled-step wrappers in one process once failed: the second's package could not name the resume

@@ -180,6 +180,7 @@ def test_check_shardable_accepts_a_fitting_target():
     check_shardable(target_config("llama"), 2)
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_torchrun_generate_script_tp2(tmp_path):
     """The documented launch: torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel-size 2, on a
     checkpoint saved as several safetensors files (index), strings through the tokenizer; rank 0 reports."""
@@ -244,6 +245,7 @@ def torchrun_until_exit(device: str, fail_rank: int, timeout: float = TIMEOUT_S)
     return done.returncode, ended - max(ends) if ends else float("inf"), done.stdout + done.stderr
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_torchrun_ranks_exit_after_the_program_ends():
     code, seconds, output = torchrun_until_exit("cpu", -1)
     assert code == 0, output[-3000:]
@@ -251,6 +253,7 @@ def test_torchrun_ranks_exit_after_the_program_ends():
     assert "Traceback" not in output
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_a_rank_that_raises_ends_every_rank_with_its_error_printed_once():
     code, seconds, output = torchrun_until_exit("cpu", 1)
     assert code != 0 and seconds < 30, (code, seconds, output[-3000:])

@@ -60,6 +60,7 @@ def test_aggregate_and_per_request_stats():
         assert len(out.stats.acceptance_rate_per_position) == 2
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_cli_runs_with_target_and_draft(tmp_path):
     target, head = tiny_pair("llama")
     out_json = tmp_path / "out.json"
@@ -71,6 +72,7 @@ def test_cli_runs_with_target_and_draft(tmp_path):
     assert proc.returncode != 0 and "tokenizer" in proc.stderr
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_cli_config_file_with_token_prompts(tmp_path, target_with_tokenizer):
     target, head = target_with_tokenizer
     cfg = tmp_path / "run.yaml"

@@ -142,6 +142,7 @@ def test_a_new_forced_count_needs_no_recompilation():
     assert set(lens[1.5].tolist()) <= {2, 3} and lens[3.0].tolist() == [k + 1] * size
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 @pytest.mark.parametrize("worker", ["eagle3", "plain"])  # K = 3 and K = 0 (MTP: the same OneModel code)
 def test_a_step_with_logprobs_is_one_graph_and_compiles_to_the_eager_outputs(worker):
     """A step whose requests ask for logprobs (log-softmax, top-k, fp32 bits packed into int64 columns) traces

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # every kernel under Triton's interpreter: minutes on two cores
 def test_kernels_match_references_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-m", "tests.kernels.interpreted"], cwd=ROOT, env=env,

@@ -27,6 +27,7 @@ def tree_server() -> Iterator[str]:
         yield url
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_a_tree_server_streams_what_offline_generate_gives(tree_server):
     offline = SpecModel.from_pretrained("demo://target", Eagle3Config(speculative_model="demo://eagle3", **TREE),
                                         dtype=torch.float32, device="cpu", max_batch_size=8)

@@ -194,6 +194,7 @@ def test_plot_writes_a_file_and_plot_only_replots_a_context_json(script, monkeyp
     assert (tmp_path / "run.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_the_script_runs_the_whole_context_benchmark_on_the_cpu_with_the_gpu_parts_stubbed(script, monkeypatch,
                                                                                           tmp_path):
     """--context end to end on a tiny target: the bandwidth probe, the GPU's name and free memory are stubbed and

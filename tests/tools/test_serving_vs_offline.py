@@ -12,6 +12,7 @@ from tllm_spec.sampling.forcing import ENV_VAR  # noqa: E402
 from tllm_spec.tools.serving_vs_offline import run  # noqa: E402
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")  # restored afterwards: the run forces acceptance in this process
     result = run("tiny", 2.0, [1, 4], num_prompts=8, input_len=8, output_len=8, out_dir=tmp_path, device="cpu")
@@ -33,6 +34,7 @@ def test_report_compares_the_server_with_offline_generate_of_the_same_prompts(tm
         assert steps["prefill_steps"] == sum(r["prompt_tokens"] > 0 for r in records) >= 1
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_repeats_report_the_median_run(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")
     result = run("tiny", 2.0, [4], num_prompts=8, input_len=8, output_len=4, out_dir=tmp_path, device="cpu",

@@ -6,9 +6,12 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from tllm_spec.tools.startup import mixed_params, run_startup
 
 
+@pytest.mark.slow  # real processes or compiles: ten seconds or more (the second CI command)
 def test_startup_report_from_two_fresh_processes(tmp_path):
     out = tmp_path / "startup.json"
     result = run_startup("tiny", 2, "cpu", out)
