@@ -10,8 +10,9 @@ proxy thread. It uses no NVLink multicast and no ``multimem`` operation (the mac
 dtypes and CPU groups keep NCCL / gloo (:func:`tllm_spec.distributed.parallel.all_reduce`).
 
 Measured on 2 H100s (torch 2.11; 64 chained all-reduces of [T, 4096] bf16 replayed in one CUDA graph): 9.9-10.3 us
-each one-shot against 12.7-13.1 us through NCCL at T = 1, 4 and 16. The 8B shape's TP-2 step at batch 1 went from
-4.30 to 3.97 ms without speculation and 5.58-5.74 to 5.33 ms with EAGLE-3 3 of 3 (docs/benchmarks/README.md).
+each one-shot against 12.7-13.1 us through NCCL at T = 1, 4 and 16. The 8B shape's TP-2 step at batch 1: 3.97 ms
+without speculation and 5.33 ms with EAGLE-3 3 of 3, against 4.30 and 5.58-5.74 ms through NCCL on another machine
+of the same kind (docs/benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def enable(group_name: str, dtype: torch.dtype, device: torch.device) -> bool:
 
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
             raise RuntimeError("this torch has no symm_mem.one_shot_all_reduce_copy")
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch; deprecated (a no-op) since
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it; newer warns (a no-op)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(group_name)
