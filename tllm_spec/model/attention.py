@@ -95,10 +95,11 @@ def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     """Store k, v for this forward's tokens in ``layer`` (its index in ``meta.kv_cache``, or its (k_cache,
     v_cache) tensors) and attend. q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D].
 
-    On the GPU, context tokens go through :func:`context_attention` (dense causal attention per prompt chunk)
-    and the other tokens read the paged cache. On the CPU the paged reference serves every token in one batched
-    call (cheaper than a call per short prompt; it takes any positions, so chunks need nothing more). Under
-    torch.compile the write and the paged attention are one custom op, opaque to Inductor.
+    Context tokens go through :func:`context_attention` (SDPA per prompt chunk, over the request's cached prefix
+    for a chunk that continues a prompt) and the other tokens read the paged cache. The CPU too: the paged
+    reference copies a request's keys once per query token, so a long prompt through it froze every running
+    stream for tens of seconds; it stays the CPU's path for generation tokens and draft trees, and the oracle.
+    Under torch.compile the write and the paged attention are one custom op, opaque to Inductor.
     """
     cache = meta.kv_cache
     k_cache, v_cache = layer_caches(cache, layer)
@@ -106,7 +107,7 @@ def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # the kernel takes dense heads (its tokens may have a stride: a slice of qkv)
-    if num_ctx == 0 or not q.is_cuda or meta.tree_mask is not None:
+    if num_ctx == 0 or meta.tree_mask is not None:
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
         return op(q, k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
@@ -156,7 +157,7 @@ def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     """The context chunks' attention (their K/V already written). q [C, Hq, D]; k, v [C, Hkv, D] -> [C, Hq, D],
     C = meta.num_context_tokens. A chunk from position 0 attends to itself (dense causal SDPA on this forward's
     k, v); a chunk from p > 0 to its request's cached positions [0, p + n) (:func:`cached_prefix_attention`, or
-    the paged kernel under a sliding window)."""
+    on the GPU the paged kernel under a sliding window)."""
     starts = meta.chunk_starts
     if not any(starts):
         return prefill_attention(q, k, v, meta.context_lens, scale, sliding_window)
@@ -168,13 +169,14 @@ def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch
         rows = slice(offset, offset + n)
         if start == 0:
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], (n,), scale, sliding_window)
-        elif sliding_window is not None:
+        elif sliding_window is not None and q.is_cuda:  # the GPU keeps its paged kernel under a window
             out[rows] = paged_attention(q[rows], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[rows], meta.positions[rows], scale, meta.max_kv_len,
                                         sliding_window)
         else:
             block_table = cache.block_tables.index_select(0, meta.token_slots[offset:offset + 1])  # [1, P]
-            out[rows] = cached_prefix_attention(q[rows], k_cache, v_cache, block_table, start, scale)
+            out[rows] = cached_prefix_attention(q[rows], k_cache, v_cache, block_table, start, scale,
+                                                sliding_window=sliding_window)
         offset += n
     return out
 
