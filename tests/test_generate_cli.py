@@ -39,7 +39,7 @@ def tiny_target(tmp_path_factory):
     """Tiny Llama target with 3 DeepSeek-layout MTP modules, a 97-word tokenizer (word wN is token N) and a random
     EAGLE-3 head beside it (``head/``)."""
     root = tmp_path_factory.mktemp("generate_cli") / "target"
-    config = target_config("llama")
+    config = target_config("llama", max_position_embeddings=4096)  # the 8B run files' max_seq_len fits
     save_random_target(root, config)
     save_random_mtp_weights(root, 3, "deepseek", seed=1)
     save_random_head(root.parent / "head", config)

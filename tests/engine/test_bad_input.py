@@ -7,11 +7,12 @@ import shutil
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tllm_spec import Eagle3Config, SamplingParams
+from tllm_spec.model.target import max_positions
 from tllm_spec.spec_model import SpecModel
-from tllm_spec.tools.random_models import save_random_head, target_config
+from tllm_spec.tools.random_models import save_random_head, save_random_target, target_config
 
 from ..models import eagle3, hf_greedy, tiny_pair
 
@@ -190,3 +191,47 @@ def test_default_capture_layers_need_six_target_layers():
     with pytest.raises(ValueError, match="5 decoder layers is too shallow"):
         resolve_capture_layers(None, None, 5)
     assert resolve_capture_layers((3, 0, 3), None, 5) == (0, 3, 3)  # an explicit choice still works
+
+
+# ---- loading: a target checkpoint that is not the whole model, a max_seq_len past the target's positions ------------
+
+def test_a_target_checkpoint_missing_a_weight_is_refused(tmp_path):
+    target, _ = tiny_pair("llama")
+    shutil.copytree(target, tmp_path / "target")
+    weights = tmp_path / "target" / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="randomly initialised") as err:
+        SpecModel.from_pretrained(tmp_path / "target", None)
+    assert "lacks 1 of" in str(err.value) and "model.layers.3.mlp.up_proj.weight" in str(err.value)
+
+
+def test_an_eagle3_head_is_not_a_target():
+    _, head = tiny_pair("llama")
+    with pytest.raises(ValueError, match="EAGLE-3 head") as err:
+        SpecModel.from_pretrained(head, None)
+    message = str(err.value)
+    assert "lacks 10 of" in message and "model.embed_tokens.weight" in message and "and 7 more" in message
+
+
+@pytest.mark.parametrize("rope_scaling, max_seq_len", [
+    (None, 64), ({"rope_type": "linear", "factor": 4.0}, 256),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}, 64)])  # llama3's config states the stretched length itself
+def test_max_seq_len_up_to_the_targets_positions(rope_scaling, max_seq_len, tmp_path):
+    config = target_config("llama", max_position_embeddings=64, rope_scaling=rope_scaling, num_hidden_layers=1)
+    assert max_positions(config) == max_seq_len
+    target = save_random_target(tmp_path / "target", config)
+    model = SpecModel.from_pretrained(target, None, max_batch_size=1, max_seq_len=max_seq_len)
+    assert model.engine.max_seq_len == max_seq_len
+    with pytest.raises(ValueError, match=f"max_seq_len={max_seq_len + 1} is more than the {max_seq_len} positions"):
+        SpecModel.from_pretrained(target, None, max_batch_size=1, max_seq_len=max_seq_len + 1)
+
+
+def test_max_positions_of_a_config_per_layer_type():
+    config = target_config("llama", max_position_embeddings=64)
+    config.rope_parameters = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    assert max_positions(config) == 128

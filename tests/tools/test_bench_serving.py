@@ -1,6 +1,7 @@
 """The serving benchmark against a real HTTP server started here: a fake OpenAI completions endpoint (FastAPI +
 uvicorn in a thread) that streams a known number of chunks with known delays and token counts, and can answer
-some requests with HTTP 429."""
+some requests with HTTP 429. Its model card states a vocabulary and a context length (as tllm-spec serve's do);
+its second card does not (as other servers' may not)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tllm_spec.tools import bench_serving_cli
 from tllm_spec.tools.bench_serving import (
     BenchConfig,
     RequestRecord,
@@ -37,6 +39,7 @@ from tllm_spec.tools.bench_serving import (
 FIRST_DELAY, DELAY = 0.05, 0.02  # s before the first chunk, between chunks
 NUM_CHUNKS, TOKENS_PER_CHUNK = 5, 3
 MODEL = "fake-model"
+SERVED_VOCAB_SIZE, MAX_MODEL_LEN = 61, 1000  # more ids than the 50 the other tests draw from
 
 
 class Fake:
@@ -56,7 +59,8 @@ app = fastapi.FastAPI()
 
 @app.get("/v1/models")
 async def models() -> dict:
-    return {"object": "list", "data": [{"id": MODEL, "object": "model"}, {"id": "other", "object": "model"}]}
+    return {"object": "list", "data": [{"id": MODEL, "object": "model", "vocab_size": SERVED_VOCAB_SIZE,
+                                        "max_model_len": MAX_MODEL_LEN}, {"id": "other", "object": "model"}]}
 
 
 @app.post("/v1/completions")
@@ -249,3 +253,38 @@ def test_cli_runs_and_compares(url, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1].startswith("a ")
     with pytest.raises(SystemExit):
         cli.main(["--base-url", url, "--num-prompts", "0"])
+
+
+def test_random_prompts_draw_from_the_served_models_vocabulary(url):
+    result = run_benchmark(config(url, vocab_size=None, num_prompts=4, random_input_len=50))
+    assert result["summary"]["num_failed"] == 0
+    ids = [t for body in fake.bodies for t in body["prompt"]]
+    assert len(ids) == 200 and all(0 <= t < SERVED_VOCAB_SIZE for t in ids) and max(ids) >= 50
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"vocab_size": SERVED_VOCAB_SIZE + 1}, ["62", "61 token ids"]),
+    ({"vocab_size": None, "model": "other"}, ["'other'", "no vocab_size"]),
+    ({"random_input_len": 990, "output_len": 15}, ["990 + 15", "max_model_len 1000"])])
+def test_a_load_the_served_model_cannot_take_is_refused_before_any_request(url, fields, words):
+    with pytest.raises(ValueError) as err:
+        run_benchmark(config(url, **fields))
+    assert all(word in str(err.value) for word in words), str(err.value)
+    assert fake.bodies == []
+
+
+def test_the_cli_exits_1_when_a_request_failed_and_2_on_a_load_refused(url, tmp_path, capsys):
+    argv = ["--base-url", url, "--num-prompts", "8", "--concurrency", "4", "--output-len", "15", "--out", str(tmp_path)]
+    bench_serving_cli.main(argv)  # every request completes: no exit
+    assert capsys.readouterr().err == ""
+    fake.fail_every = 2
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serving_cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("tllm-spec bench-serve: error: 4 of 8 requests failed") and "429" in err
+    assert json.loads((tmp_path / "bench_serving.json").read_text())["summary"]["num_failed"] == 4  # still written
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serving_cli.main([*argv, "--vocab-size", "32000"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "32000" in err

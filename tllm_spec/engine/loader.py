@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from .. import demo
 from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, EngineConfig, MTPConfig
@@ -16,7 +17,7 @@ from ..drafts.base import SpecWorkerBase
 from ..drafts.eagle3.worker import build_eagle3_worker
 from ..drafts.mtp.worker import build_mtp_worker
 from ..drafts.plain import PlainWorker
-from ..model.target import TargetModel
+from ..model.target import TargetModel, check_max_seq_len
 from ..modes import SpeculativeDecodingMode
 from ..tokenizer import load_tokenizer
 from .runner import ModelRunner
@@ -38,8 +39,23 @@ def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: t
     if str(target_dir) == DEMO_TARGET and isinstance(spec_config, MTPConfig) and spec_config.mtp_checkpoint is None:
         spec_config = spec_config.model_copy(update={"mtp_checkpoint": DEMO_MTP})  # shipped beside the target
     target_dir = demo.resolve(target_dir)
+    check_positions(target_dir, engine_config.max_seq_len)
     target = TargetModel.load(target_dir, resolve_dtype(dtype, device), device, parallel)
     return runner_for_target(target, spec_config, engine_config, load_tokenizer(target_dir))
+
+
+def check_positions(target_dir: Path, max_seq_len: int | None) -> None:
+    """Refuse a ``max_seq_len`` past the positions of the target checkpoint at ``target_dir`` (its config.json alone,
+    before any weight loads; a config that cannot be read is left to TargetModel.load to report). Checkpoints only:
+    benchmarks run random targets (runner_for_target) past their positions, a 131072-token context and its new
+    tokens on the 8B shape."""
+    if max_seq_len is None or not (Path(target_dir) / "config.json").is_file():
+        return
+    try:
+        config = AutoConfig.from_pretrained(target_dir)
+    except (ValueError, OSError):
+        return
+    check_max_seq_len(config, max_seq_len)
 
 
 def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engine_config: EngineConfig,

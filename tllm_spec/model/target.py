@@ -10,6 +10,7 @@ Tensor parallel (a :class:`~tllm_spec.distributed.parallel.TensorParallel` given
 lm_head is vocabulary-parallel and the sampled rows' logits are gathered once."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -61,8 +62,7 @@ class TargetModel(nn.Module):
             target.hf.generation_config = _generation_config(path, target.hf.generation_config)
             target.checkpoint_dir = path
             return target
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-        target = cls(hf.to(device).eval())
+        target = cls(_load_complete(path, dtype).to(device).eval())
         target.checkpoint_dir = path
         return target
 
@@ -165,6 +165,67 @@ class TargetModel(nn.Module):
         if self.parallel is not None:
             logits = gather_vocab(logits, self.vocab_size, self.parallel)
         return logits.float()
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the target's positions were made for: ``max_position_embeddings``, or the length a RoPE
+    scaling stretches it to (``factor`` times ``original_max_position_embeddings``, else times
+    ``max_position_embeddings``, as vLLM derives it; llama3 and longrope configs state the stretched length
+    themselves). None when the config names no limit."""
+    limit = getattr(config, "max_position_embeddings", None)  # HF configs differ by architecture
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = rope and all(isinstance(v, dict) for v in rope.values())  # one set per layer type (Gemma 3)
+    lengths = [limit, *(_scaled_length(params, limit) for params in (rope.values() if nested else [rope]))]
+    return max((n for n in lengths if n is not None), default=None)
+
+
+def _scaled_length(rope: dict, max_position_embeddings: int | None) -> int | None:
+    """The positions a RoPE scaling of ``rope_type`` linear, dynamic or yarn reaches; None for the others."""
+    factor, base = rope.get("factor"), rope.get("original_max_position_embeddings") or max_position_embeddings
+    if rope.get("rope_type", rope.get("type")) in (None, "default", "llama3", "longrope") or \
+            not isinstance(factor, int | float) or not base:
+        return None
+    return int(base * factor)
+
+
+def check_max_seq_len(config: PretrainedConfig, max_seq_len: int | None) -> None:
+    """Refuse a ``max_seq_len`` past :func:`max_positions` of a checkpoint's config: the positions beyond were never
+    trained, and the KV pool and RoPE table would be sized for them."""
+    limit = max_positions(config)
+    if max_seq_len is not None and limit is not None and max_seq_len > limit:
+        raise ValueError(f"max_seq_len={max_seq_len} is more than the {limit} positions the target was made for "
+                         f"(max_position_embeddings in its config.json, stretched by any rope scaling there); give "
+                         f"at most {limit}")
+
+
+def _refuse_missing_weights(path: Path, missing: list[str], unexpected: set[str]) -> None:
+    """A checkpoint that leaves a weight randomly initialised is not the model the user meant."""
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    head = "fc.weight" in unexpected or any(name.startswith("midlayer.") for name in unexpected)
+    hint = ("; it holds an EAGLE-3 head (fc.weight, midlayer.*), a draft for a target, not a target" if head else
+            "; a target checkpoint must hold every weight of its architecture")
+    raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the target's weights, which would be randomly "
+                     f"initialised ({shown}){hint}")
+
+
+def _load_complete(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """``from_pretrained``, refusing a checkpoint that leaves any weight randomly initialised. transformers' load
+    report (a table of missing and unused tensors, logged as a warning) is held back until the check: a refused
+    checkpoint is told in one line, by the error; any other keeps its report."""
+    logger, held, info = logging.getLogger("transformers.modeling_utils"), [], None
+    hold = held.append  # as a filter it returns None: the record is kept here, not logged
+    logger.addFilter(hold)
+    try:
+        hf, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                        output_loading_info=True)
+    finally:
+        logger.removeFilter(hold)
+        for record in held if info is None or not info["missing_keys"] else ():
+            logger.callHandlers(record)
+    _refuse_missing_weights(path, sorted(info["missing_keys"]), info["unexpected_keys"])
+    return hf
 
 
 def _sharded(config: PretrainedConfig, parallel: TensorParallel, build) -> PreTrainedModel:

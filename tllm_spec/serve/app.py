@@ -136,7 +136,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @routes.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     server = _server(request)
-    return ModelList(data=[ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_seq_len)])
+    return ModelList(data=[ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_seq_len,
+                                     vocab_size=server.engine.loop.engine.runner.vocab_size)])
 
 
 @routes.get("/metrics")

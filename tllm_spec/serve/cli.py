@@ -8,19 +8,25 @@
                                     "max_total_draft_tokens": 25, "max_draft_len": 8}'   # a draft tree
 
 A TARGET without --draft or --mtp decodes plainly (the demo's EAGLE-3 head only fits the demo target). Usage and
-configuration errors are one line on stderr ("tllm-spec: error: ...") and exit status 2.
+configuration errors are one line on stderr ("tllm-spec: error: --flag: ...") and exit status 2; the flags, the
+device, the address and --max-seq-len against the target's positions are checked before the model loads.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
+import socket
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
+from pydantic import ValidationError
 
-from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, MTPConfig
+from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, EngineConfig, MTPConfig
 
 if TYPE_CHECKING:
     from ..spec_model import SpecModel
@@ -29,12 +35,23 @@ PROG = "tllm-spec"
 DEMO_EAGLE3 = "demo://eagle3"
 DEMO_MODEL_NAME = "tllm-spec-demo"
 SERVE_MAX_NUM_BATCHED_TOKENS = 8192  # prompt tokens a serving step prefills (the offline engine takes 16384)
+# what bad input raises while the model loads (pydantic's ValidationError is a ValueError)
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
+ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
+                "max_num_batched_tokens": "--max-num-batched-tokens",
+                "scheduler_delay_factor": "--scheduler-delay-factor"}
+SPEC_FLAGS = {"max_draft_len": "-k/--max-draft-len", "speculative_model": "--draft"}  # fields --spec-config may set
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line instead of the usage and then the error
-        print(f"{PROG}: error: {' '.join(message.splitlines())}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(message.removeprefix("argument "))
+
+
+def fail(message: str) -> NoReturn:
+    """argparse's exit: one line on stderr, status 2."""
+    print(f"{PROG}: error: {' '.join(message.splitlines())}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +77,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="more fields of the draft's config (Eagle3Config / MTPConfig, TensorRT-LLM's names) as a "
                    "JSON object, e.g. a tree: '{\"eagle_choices\": [[0], [1], [0, 0]], \"max_draft_len\": 2}'")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (0: any free one; default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--served-model-name", help=f"the model name clients send (default: TARGET, or "
                    f"{DEMO_MODEL_NAME})")
     p.add_argument("--max-batch-size", type=int, help="requests decoded together (default: the engine's)")
-    p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens (default: the target's)")
+    p.add_argument("--max-seq-len", type=int, help="prompt + generated tokens (default: the target's; at most its "
+                   "max_position_embeddings, or what its rope scaling stretches that to)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS,
                    help="prompt tokens prefilled per step; longer prompts go in chunks between decode steps, which "
                    "wait for each chunk (default: %(default)s, half the offline engine's: a long prompt stalls the "
@@ -73,7 +91,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-delay-factor", type=float, help="while requests decode, a new one waits up to this "
                    "many prefill steps' time so that arrivals close together share one prefill step (default: the "
                    "engine's, 0.5; 0: admit at once)")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="requests in flight before 429")
+    p.add_argument("--max-queue", type=_positive_int, default=DEFAULT_MAX_QUEUE,
+                   help="requests in flight before 429")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=5.0, help="on SIGINT/SIGTERM: seconds in-flight "
+                   "requests may take to finish before they are aborted (streams end with finish_reason 'abort')")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -87,11 +108,44 @@ def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
     fields = {"max_draft_len": args.max_draft_len, **args.spec_config}  # --spec-config's fields win
     if args.no_spec or not (args.mtp or args.draft or demo):
         if args.spec_config:
-            raise ValueError("--spec-config configures a draft: this run has none (give --draft or --mtp)")
+            raise ValueError("--spec-config: it configures a draft, and this run has none (give --draft or --mtp)")
         return None
     if args.mtp:
         return MTPConfig(**{"mtp_checkpoint": DEMO_MTP if demo else None, **fields})
     return Eagle3Config(**{"speculative_model": args.draft or DEMO_EAGLE3, **fields})
+
+
+def engine_config_of(args: argparse.Namespace) -> EngineConfig:
+    """The engine's capacity: the flags given, the engine's defaults for the rest."""
+    flags = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return EngineConfig(**{name: value for name, value in flags.items() if value is not None})
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port lies in 0..65535 (0: any free one), got {text!r}")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds, a number of at least 0, got {text!r}")
+    return value
 
 
 def _json_object(text: str) -> dict:
@@ -104,15 +158,107 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def load_model(args: argparse.Namespace) -> SpecModel:
+def load_model(args: argparse.Namespace, spec_config: Eagle3Config | MTPConfig | None,
+               engine_config: EngineConfig) -> SpecModel:
+    """The model the flags ask for (their configs from :func:`checked_configs`); a checkpoint that does not load is
+    one line blaming --draft, --mtp or --target."""
     from ..spec_model import SpecModel
 
-    flags = (("max_batch_size", args.max_batch_size), ("max_seq_len", args.max_seq_len),
-             ("max_num_batched_tokens", args.max_num_batched_tokens),
-             ("scheduler_delay_factor", args.scheduler_delay_factor))
-    engine_kwargs = {name: value for name, value in flags if value is not None}
-    return SpecModel.from_pretrained(args.target or DEMO_TARGET, spec_config_of(args), dtype=args.dtype,
-                                     device=args.device, **engine_kwargs)
+    try:
+        return SpecModel.from_pretrained(args.target or DEMO_TARGET, spec_config, dtype=args.dtype,
+                                         device=args.device, engine_config=engine_config)
+    except USER_ERRORS as err:
+        fail(load_error(err, args))
+
+
+def checked_configs(args: argparse.Namespace) -> tuple[Eagle3Config | MTPConfig | None, EngineConfig]:
+    """The draft's and the engine's configs, the device and --max-seq-len against the target's positions, checked
+    before anything loads: a mistake is one line naming its flag."""
+    check_device(args.device)
+    try:
+        spec_config = spec_config_of(args)
+    except ValidationError as err:
+        fail("; ".join(_spec_problem(error, args) for error in err.errors()))
+    except ValueError as err:  # the flags' own rules, their flags named
+        fail(str(err))
+    try:
+        engine_config = engine_config_of(args)
+    except ValidationError as err:
+        fail("; ".join(f"{ENGINE_FLAGS[str(e['loc'][0])]}: {e['msg']} (got {e['input']!r})" for e in err.errors()))
+    check_max_seq_len_flag(args.target or DEMO_TARGET, engine_config.max_seq_len)
+    return spec_config, engine_config
+
+
+def _spec_problem(error: dict, args: argparse.Namespace) -> str:
+    """``-k/--max-draft-len: message (got value)``, or ``--spec-config: field: message (got value)`` for the fields
+    --spec-config gave or no other flag sets."""
+    field = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if not field:  # a rule across fields: --spec-config's, or -k's alone
+        return f"{'--spec-config' if args.spec_config else '-k/--max-draft-len'}: {message}"
+    if field in SPEC_FLAGS and field not in args.spec_config:
+        return f"{SPEC_FLAGS[field]}: {message} (got {error['input']!r})"
+    return f"--spec-config: {field}: {message} (got {error['input']!r})"
+
+
+def check_device(device: str) -> None:
+    """'auto', 'cpu', or a CUDA device this torch can reach."""
+    import torch
+
+    from ..engine.loader import resolve_device
+
+    try:
+        resolved = resolve_device(device)
+    except RuntimeError:
+        fail(f"--device: {device!r} is not a device: expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
+    if resolved.type not in ("cpu", "cuda"):
+        fail(f"--device: {device!r}: tllm-spec runs on 'cpu' or 'cuda'")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda or torch.version.hip
+        fail(f"--device: {device!r}, but " + ("no CUDA device is visible" if built else
+                                              f"this torch ({torch.__version__}) is built without CUDA"))
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        fail(f"--device: {device!r}, but {torch.cuda.device_count()} CUDA devices are visible")
+
+
+def check_max_seq_len_flag(target: str, max_seq_len: int | None) -> None:
+    """--max-seq-len against the target's positions, from its config.json alone."""
+    from .. import demo
+    from ..engine.loader import check_positions
+
+    try:
+        path = demo.resolve(target)
+    except USER_ERRORS:
+        return  # the loader says what is wrong with the address
+    try:
+        check_positions(path, max_seq_len)
+    except ValueError as err:
+        fail(f"--max-seq-len: {err}")
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind where uvicorn will listen (as asyncio does: every address of ``host``, SO_REUSEADDR), before the model
+    loads: uvicorn binds only once it starts."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+    except OSError as err:
+        flag = "--port" if err.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+        fail(f"{flag}: cannot listen on {host}:{port}: {err.strerror or err}")
+
+
+def load_error(err: BaseException, args: argparse.Namespace) -> str:
+    """``--flag: message`` for an error raised while loading: the draft's loaders' (tllm_spec.drafts) are the
+    draft's, an EAGLE-3 checkpoint's reader says it is not a head for this target; the rest are the target's."""
+    modules = {frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(err.__traceback__)}
+    if "tllm_spec.drafts.eagle3.checkpoint" in modules and isinstance(err, ValueError):
+        return f"--draft: {args.draft or DEMO_EAGLE3} is not an EAGLE-3 head this target can use: {err}"
+    if any(name.startswith("tllm_spec.drafts.") for name in modules):
+        return f"{'--mtp' if args.mtp else '--draft'}: {err}"
+    return f"--target: {err}"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -132,13 +278,15 @@ class _Uvicorn(uvicorn.Server):
 def serve(args: argparse.Namespace) -> int:
     from .app import build_app
 
+    spec_config, engine_config = checked_configs(args)  # the flags, then the address, then the model
+    check_address(args.host, args.port)
+    model = load_model(args, spec_config, engine_config)
     try:
-        model = load_model(args)
         model.warmup()  # compiles and captures before the first request, not during it
         name = args.served_model_name or (DEMO_MODEL_NAME if args.target in (None, DEMO_TARGET) else args.target)
         app = build_app(model, name, args.api_key, args.max_queue)
-    except (ValueError, OSError, NotImplementedError) as err:  # pydantic's ValidationError is a ValueError
-        _Parser(prog=PROG).error(f"{type(err).__name__}: {err}")
+    except USER_ERRORS as err:  # pydantic's ValidationError is a ValueError
+        fail(f"--target: {err}")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     _Uvicorn(config, name).run()

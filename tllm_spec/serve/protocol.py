@@ -271,6 +271,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tllm_spec"
     max_model_len: int
+    vocab_size: int  # prompt token ids lie in [0, vocab_size) (not OpenAI's; tllm-spec bench-serve draws from it)
 
 
 class ModelList(BaseModel):

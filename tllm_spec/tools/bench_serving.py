@@ -44,7 +44,8 @@ class BenchConfig(BaseModel):
     request_rate: float | None = Field(None, gt=0, description="Poisson arrivals at this many requests/s")
     seed: int = Field(0, description="seeds the random prompts and the arrival times")
     random_input_len: int = Field(128, ge=1, description="tokens per random prompt")
-    vocab_size: int = Field(32000, ge=1, description="random prompt ids lie in [0, vocab_size)")
+    vocab_size: int | None = Field(None, ge=1, description="random prompt ids lie in [0, vocab_size); None: the "
+                                   "served model's, from its GET /v1/models card (tllm-spec serve's say vocab_size)")
     prompt_file: str | None = Field(None, description="UTF-8, a prompt a line, cycled; not random prompts")
     output_len: int = Field(128, ge=1, description="max_tokens of every request (sent with ignore_eos)")
     temperature: float = Field(0.0, ge=0)
@@ -201,15 +202,54 @@ async def _drive(cfg: BenchConfig, client: httpx.AsyncClient, model: str,
     return records, time.perf_counter() - t0
 
 
+def prompt_vocab_size(cfg: BenchConfig, card: dict[str, object]) -> int:
+    """The vocabulary random prompts draw from: ``cfg.vocab_size`` (not above the served model's), else the one the
+    served model's card of GET /v1/models states. ValueError when neither is known or they disagree."""
+    served = card.get("vocab_size")
+    if cfg.vocab_size is None and served is None:
+        raise ValueError(f"the server's GET /v1/models card of {card.get('id')!r} has no vocab_size: give "
+                         "vocab_size (--vocab-size, random prompt ids lie in [0, V)) or a prompt file")
+    if cfg.vocab_size is not None and served is not None and cfg.vocab_size > served:
+        raise ValueError(f"vocab_size (--vocab-size) {cfg.vocab_size} is more than the served model's {served} "
+                         f"token ids: prompts would hold ids it refuses")
+    return cfg.vocab_size or served
+
+
+def check_lengths(cfg: BenchConfig, card: dict[str, object]) -> None:
+    """Random prompts and max_tokens must fit the served model's ``max_model_len`` (when its card states one)."""
+    max_len = card.get("max_model_len")
+    if cfg.prompt_file is None and max_len is not None and cfg.random_input_len + cfg.output_len > max_len:
+        raise ValueError(f"random_input_len + output_len (--random-input-len, --output-len) = {cfg.random_input_len} "
+                         f"+ {cfg.output_len} is more than the served model's max_model_len {max_len}")
+
+
+async def served_card(client: httpx.AsyncClient, model: str | None) -> dict[str, object]:
+    """The GET /v1/models card of ``model`` (None: the first one listed); ``{"id": model}`` when it is not listed."""
+    cards = (await client.get("/v1/models")).raise_for_status().json()["data"]
+    return cards[0] if model is None else next((c for c in cards if c.get("id") == model), {"id": model})
+
+
+async def _prompts(cfg: BenchConfig, client: httpx.AsyncClient) -> tuple[str, list[str] | list[list[int]]]:
+    """The model id and the prompts; the served model's card is read when the model or the vocabulary is not
+    given, and checked against the load when it is read."""
+    if cfg.model is not None and (cfg.prompt_file or cfg.vocab_size):
+        card = {"id": cfg.model}  # nothing to ask the server: the flags say it all
+    else:
+        card = await served_card(client, cfg.model)
+        check_lengths(cfg, card)
+    if cfg.prompt_file:
+        return card["id"], file_prompts(cfg.prompt_file, cfg.num_prompts)
+    vocab_size = prompt_vocab_size(cfg, card)
+    return card["id"], random_prompts(cfg.num_prompts, cfg.random_input_len, vocab_size, cfg.seed)
+
+
 async def arun_benchmark(cfg: BenchConfig) -> dict[str, object]:
     """:func:`run_benchmark` inside a running event loop."""
-    prompts = (file_prompts(cfg.prompt_file, cfg.num_prompts) if cfg.prompt_file
-               else random_prompts(cfg.num_prompts, cfg.random_input_len, cfg.vocab_size, cfg.seed))
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=cfg.base_url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=httpx.Timeout(cfg.timeout_s)) as client:
-        model = cfg.model or (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+        model, prompts = await _prompts(cfg, client)
         records, duration = await _drive(cfg, client, model, prompts)
     requests = [r.to_json() for r in records]
     return {"label": cfg.label or model, "model": model, "config": cfg.model_dump(),
@@ -217,7 +257,9 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, object]:
 
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, object]:
-    """Run the load against the server: ``{"label", "model", "config", "summary", "requests"}``."""
+    """Run the load against the server: ``{"label", "model", "config", "summary", "requests"}``. A failed request
+    is recorded, never raised; ValueError for a load the served model cannot take (ids past its vocabulary,
+    lengths past its max_model_len), httpx.HTTPError when GET /v1/models fails."""
     return asyncio.run(arun_benchmark(cfg))
 
 

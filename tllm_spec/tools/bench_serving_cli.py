@@ -8,14 +8,24 @@ at a fixed concurrency or with Poisson arrivals; TTFT / TPOT / ITL / E2E percent
 
 Writes bench_serving.json (and bench_serving.png with matplotlib) under --out; --compare prints the runs side by
 side and writes bench_serving_compare.png. See tllm_spec/tools/bench_serving.py for how tokens are counted.
+
+Random prompts draw their ids from the served model's vocabulary, which tllm-spec serve's GET /v1/models card
+states (vocab_size); another server's card may not: give --vocab-size. Exit status: 0 when every request
+completed, 1 when any failed or the server could not be asked (one line on stderr), 2 on a usage error or a load
+the served model cannot take (ids past its vocabulary, lengths past its max_model_len).
 """
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
 
+import httpx
 from pydantic import ValidationError
 
 from .bench_serving import BenchConfig, compare, format_table, run_benchmark, write_report
+
+FLAGS = {"timeout_s": "--timeout", "continuous_usage": "--no-continuous-usage"}  # fields not named as their flag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, help="Poisson arrivals, requests/s")
     p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the arrival times")
     p.add_argument("--random-input-len", type=int, default=128, help="tokens per random prompt")
-    p.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids lie in [0, V)")
+    p.add_argument("--vocab-size", type=int, help="random prompt ids lie in [0, V) (default: the served model's "
+                   "vocab_size from GET /v1/models)")
     p.add_argument("--prompt-file", help="UTF-8, one prompt per line (the two characters \\n stand for a newline)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of every request (sent with ignore_eos)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -52,18 +63,37 @@ def config(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run (or compare); raises SystemExit(1) when any request failed, SystemExit(2) on a usage error."""
     args = parse_args(argv)
     if args.compare:
         print(compare(args.compare, args.out))
         return
     try:
-        cfg = config(args)
+        result = run_benchmark(config(args))
     except ValidationError as err:
-        raise SystemExit(f"bench_serving: {err}") from None
-    result = run_benchmark(cfg)
+        _exit(2, "; ".join(_describe(e) for e in err.errors()))
+    except (ValueError, OSError) as err:  # a load the served model cannot take; an unreadable prompt file
+        _exit(2, str(err))
+    except httpx.HTTPError as err:
+        _exit(1, f"GET {args.base_url}/v1/models failed: {type(err).__name__}: {err}")
     path = write_report(result, args.out)
     print(format_table([result]))
     for error in result["summary"]["errors"]:
         print(f"failed: {error}")
     print(f"wrote {path}")
+    summary = result["summary"]
+    if summary["num_failed"]:
+        _exit(1, f"{summary['num_failed']} of {summary['num_requests']} requests failed (first error: "
+              f"{summary['errors'][0]})")
 
+
+def _describe(error: dict) -> str:
+    field = ".".join(str(p) for p in error["loc"])
+    if not field:  # a rule across fields
+        return error["msg"].removeprefix("Value error, ")
+    return f"{FLAGS.get(field, '--' + field.replace('_', '-'))}: {error['msg']} (got {error['input']!r})"
+
+
+def _exit(status: int, message: str) -> NoReturn:
+    print(f"tllm-spec bench-serve: error: {' '.join(message.splitlines())}", file=sys.stderr)
+    raise SystemExit(status)
