@@ -162,16 +162,21 @@ class ModelRunner:
             return None
         return tree_step.parents[torch.tensor(slots, device=self.device)].tolist()
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """A grammar compiler for this target's tokenizer and vocabulary (ImportError without llguidance,
+        ValueError without a tokenizer or an EOS id); any thread."""
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return GrammarCompiler(self.tokenizer, self.vocab_size,
+                               eos if eos is not None else next(iter(self.eos_token_ids), None))
+
     def enable_guided_decoding(self) -> str | None:
         """Give the worker a guided decoder (once; captured graphs are dropped so that they mask the logits).
         Returns why guided decoding is unavailable (no tokenizer, no llguidance), or None."""
         if self.worker.guided_decoder is not None:
             return None
         tree_step = getattr(self.worker, "tree_step", None)
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         try:
-            compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                       eos if eos is not None else next(iter(self.eos_token_ids), None))
+            compiler = self.grammar_compiler()
         except (ImportError, ValueError) as err:
             return str(err)
         static = tree_step if tree_step is not None and not tree_step.is_dynamic else None

@@ -30,10 +30,14 @@ from ..engine.loop import EngineLoop
 from ..spec_model import SpecModel
 from .errors import APIError, install_error_handlers
 from .generation import EventStream, Job, event_stream, run_to_end
+from .grammar_check import GrammarCheck
 from .logprobs import LogprobsFormat, TokenTexts
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import ModelCard, ModelList
+from .requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from .structured import guided_decoding
 from .template import ChatTemplate
+from .tool_calls import ToolCallFormat, tool_call_format
 
 DEFAULT_MAX_QUEUE = 256
 GIL_SWITCH_INTERVAL_S = 0.0001
@@ -41,13 +45,17 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat default
 
 
 class Admission:
-    """Counts requests in flight (on the event loop's thread only); ``enter`` past ``max_in_flight`` is a 429."""
+    """Counts requests in flight (on the event loop's thread only); ``enter`` past ``max_in_flight`` is a 429,
+    and once ``closed`` (the server is shutting down) a 503."""
 
     def __init__(self, max_in_flight: int):
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
+        self.closed = False
 
     def enter(self) -> None:
+        if self.closed:
+            raise APIError(503, "the server is shutting down and admits no new requests", code="shutting_down")
         if self.num_in_flight >= self.max_in_flight:
             raise APIError(429, f"the server is overloaded ({self.num_in_flight} requests in flight, the limit "
                            f"is {self.max_in_flight}); retry later", code="overloaded")
@@ -68,48 +76,89 @@ class Server:
         self.admission = Admission(max_queue)
         self.template = ChatTemplate(model.tokenizer, model.encode)
         self.token_texts = TokenTexts(self.engine.decode_each)  # on the event loop's thread only
+        self.grammars = GrammarCheck(model.runner)
+        self.running: dict[str, Job] = {}  # admitted and not yet answered in full; on the event loop's thread
         self.created = int(time.time())
 
-    async def generate(self, body: CompletionRequest | ChatCompletionRequest, prompt: str | list[int],
-                       request: Request) -> Response:
+    async def generate(self, body: GenerationRequest, prompt: str | list[int], request: Request,
+                       tool_calls: ToolCallFormat | None = None) -> Response:
         """Check, admit and run one request; a stream keeps its admission until its last event is sent."""
-        params = self._sampling_params(body)
+        params, guided_field = self._sampling_params(body, tool_calls)
         self.admission.enter()
         try:
-            job = await self._job(body, prompt, params)
+            job = await self._job(body, prompt, params, guided_field, tool_calls)
         except BaseException:
             self.admission.leave()
             raise
+        self.running[job.request_id] = job
         if body.stream:
-            return EventStream(event_stream(self.engine, job), on_close=self.admission.leave)
+            return EventStream(event_stream(self.engine, job), on_close=lambda: self._leave(job))
         try:
             result = await run_to_end(self.engine, job, request.is_disconnected)
         finally:
-            self.admission.leave()
+            self._leave(job)
         return JSONResponse(result.model_dump(mode="json"))
 
-    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-        """404 for another model's name; 400 for a field not supported or a sampling value the engine refuses."""
+    def abort_all(self) -> int:
+        """Abort every request in flight (a shutdown's grace period is over); returns how many."""
+        for request_id in self.running:
+            self.engine.abort(request_id)
+        return len(self.running)
+
+    def _leave(self, job: Job) -> None:
+        self.running.pop(job.request_id, None)
+        self.admission.leave()
+
+    def _sampling_params(self, body: GenerationRequest, tool_calls: ToolCallFormat | None
+                         ) -> tuple[SamplingParams, str | None]:
+        """(params, the field that constrains the output); 404 for another model's name; 400 for a field not
+        supported, a malformed output constraint or a sampling value the engine refuses. max_new_tokens is the
+        request's, or 1 until the prompt is known."""
         if body.model not in (None, self.model_name):
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
         body.refuse_unsupported()
-        chat = isinstance(body, ChatCompletionRequest)
-        return body.sampling_params(self.max_seq_len if chat else COMPLETION_MAX_TOKENS)
+        guided, field = guided_decoding(body, tool_calls.schema() if tool_calls is not None else None)
+        requested = body.requested_max_tokens
+        return body.sampling_params(requested if requested is not None else 1, guided_decoding=guided), field
 
-    async def _job(self, body: CompletionRequest | ChatCompletionRequest, prompt: str | list[int],
-                   params: SamplingParams) -> Job:
+    async def _job(self, body: GenerationRequest, prompt: str | list[int], params: SamplingParams,
+                   guided_field: str | None, tool_calls: ToolCallFormat | None) -> Job:
         """The engine's verdict on the request (400 if refused), then the job that runs it."""
         chat = isinstance(body, ChatCompletionRequest)
-        ids, error = await asyncio.to_thread(self.engine.check, prompt, params)  # tokenizes: off the event loop
+        ids, error, param = await asyncio.to_thread(self._check, prompt, params)  # tokenizes: off the event loop
         if error:
             self.metrics.reject()
-            param = "stop_token_ids" if error.startswith("stop_token_ids") else "messages" if chat else "prompt"
-            raise APIError(400, error, param)
+            raise APIError(400, error, guided_field if param == "grammar" else param or ("messages" if chat else
+                                                                                          "prompt"))
+        params = params.model_copy(update={"max_new_tokens": self._max_new_tokens(body, len(ids))})
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         logprobs_format = LogprobsFormat(chat, self.token_texts) if params.logprobs is not None else None
         return Job(request_id, ids, params, self.model_name, chat, self.metrics.track(len(ids)), body.include_usage,
-                   body.continuous_usage, logprobs_format)
+                   body.continuous_usage, logprobs_format, tool_calls)
+
+    def _check(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int] | None, str | None,
+                                                                               str | None]:
+        """(token ids, None, None) or (None, why the request is refused, the field at fault); any thread."""
+        if params.guided_decoding is not None:
+            error = self.grammars.check(params.guided_decoding)
+            if error:
+                return None, error, "grammar"
+        ids, error = self.engine.check(prompt, params)
+        return ids, error, "stop_token_ids" if error and error.startswith("stop_token_ids") else None
+
+    def _max_new_tokens(self, body: GenerationRequest, num_prompt_tokens: int) -> int:
+        """The request's max_tokens if it fits the context (else a 400 with the arithmetic); without one, the rest
+        of the context (chat) or COMPLETION_MAX_TOKENS of it (completions)."""
+        room = self.max_seq_len - num_prompt_tokens
+        requested, chat = body.requested_max_tokens, isinstance(body, ChatCompletionRequest)
+        if requested is None:
+            return room if chat else min(COMPLETION_MAX_TOKENS, room)
+        if requested > room:
+            param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"{param} is {requested}, but the context holds {self.max_seq_len} tokens and the "
+                           f"prompt takes {num_prompt_tokens}: at most {room} can be generated", param)
+        return requested
 
 
 def _server(request: Request) -> Server:
@@ -130,7 +179,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 @routes.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     server = _server(request)
-    return await server.generate(body, server.template.render(body.text_messages()), request)
+    tool_calls = tool_call_format(body)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    prompt = server.template.render(body.template_messages(), tools)
+    return await server.generate(body, prompt, request, tool_calls)
 
 
 @routes.get("/v1/models")
@@ -147,8 +199,8 @@ async def metrics(request: Request) -> Response:
 
 
 @routes.get("/health")
-async def health() -> Response:
-    return Response(status_code=200)
+async def health(request: Request) -> Response:
+    return Response(status_code=503 if _server(request).admission.closed else 200)
 
 
 class BearerAuth:

@@ -58,6 +58,10 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         detail = errors[0].get("ctx", {}).get("error", errors[0]["msg"])
         return APIError(400, f"the body is not valid JSON: {detail}").response()
     paths = [".".join(str(part) for part in e.get("loc", ()) if part != "body") for e in errors]
+    content_type = request.headers.get("content-type", "")
+    if not paths[0] and content_type.split(";")[0].strip().lower() != "application/json":
+        return APIError(400, f"the body must be JSON sent with 'Content-Type: application/json'; this request's "
+                        f"Content-Type is {content_type or 'missing'!r}").response()
     if not paths[0]:
         return APIError(400, f"the body must be a JSON object: {errors[0]['msg']}").response()
     param = paths[0].split(".")[0]

@@ -34,6 +34,7 @@ from .protocol import (
     DeltaMessage,
     Usage,
 )
+from .tool_calls import ToolCallFormat
 
 log = logging.getLogger("tllm_spec.serve")
 DONE_EVENT = "data: [DONE]\n\n"
@@ -52,6 +53,7 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False  # every chunk carries the usage so far
     logprobs_format: LogprobsFormat | None = None  # the request asked for logprobs
+    tool_calls: ToolCallFormat | None = None  # the output is tool calls (chat with tools and a tool_choice)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def response(self, output: RequestOutput, usage: Usage) -> BaseModel:
@@ -59,17 +61,23 @@ class Job:
         text, finish_reason = output.text or "", finish_reason_of(output)
         logprobs = self.logprobs(output.token_ids, output.logprobs, output.top_logprobs)
         if self.chat:
-            choice = ChatChoice(message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=finish_reason)
+            content, calls = text, None
+            if self.tool_calls is not None:
+                content, calls, finish_reason = self.tool_calls.message(text, finish_reason)
+            choice = ChatChoice(message=AssistantMessage(content=content, tool_calls=calls), logprobs=logprobs,
+                                finish_reason=finish_reason)
             return ChatCompletionResponse(**head, choices=[choice])
         choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
         return CompletionResponse(**head, choices=[choice])
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False,
-              usage: Usage | None = None, logprobs: BaseModel | None = None) -> BaseModel:
-        """A stream chunk; ``text=None`` is the usage chunk (no choices)."""
+              usage: Usage | None = None, logprobs: BaseModel | None = None, delta: DeltaMessage | None = None
+              ) -> BaseModel:
+        """A stream chunk; ``text=None`` is the usage chunk (no choices). ``delta``: a chat chunk's own delta
+        (tool calls) instead of ``text``'s."""
         head = {"id": self.request_id, "created": self.created, "model": self.model_name, "usage": usage}
         if self.chat:
-            delta = DeltaMessage(role="assistant" if first else None, content=text)
+            delta = delta or DeltaMessage(role="assistant" if first else None, content=text)
             choices = [] if text is None else [ChatChunkChoice(delta=delta, logprobs=logprobs,
                                                                finish_reason=finish_reason)]
             return ChatCompletionChunk(**head, choices=choices)
@@ -109,7 +117,7 @@ def finish_reason_of(output: RequestOutput) -> str:
     if output.finish_reason == "rejected":
         raise APIError(400, output.error or "the engine rejected the request")
     if output.finish_reason == "abort":
-        raise APIError(503, "the request was aborted by the server", code="aborted")
+        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
     raise APIError(500, f"generation failed: {output.error or 'engine error'}")
 
 
@@ -149,16 +157,23 @@ async def event_stream(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
 
 
 async def _events(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
-    first, num_tokens = True, 0
+    first, num_tokens, text = True, 0, ""
     pending = _PendingLogprobs()  # of tokens whose text has not gone out yet (held back at a stop string's start)
     async with aclosing(_outputs(engine, job)) as outputs:
         async for out in outputs:
             num_tokens += len(out.token_ids)
+            text += out.text or ""
             pending.add(out)
             finish_reason = finish_reason_of(out.output) if out.finished else None
-            if out.text or out.finished:
+            delta = None
+            if job.tool_calls is not None:
+                shaped = job.tool_calls.delta(out.text or "", text, first, finish_reason)
+                if shaped is None:
+                    continue
+                delta, finish_reason = shaped
+            if out.text or out.finished or delta is not None:
                 usage = Usage.of(len(job.prompt_ids), num_tokens) if job.continuous_usage else None
-                yield _event(job.chunk(out.text or "", finish_reason, first, usage, pending.take(job)))
+                yield _event(job.chunk(out.text or "", finish_reason, first, usage, pending.take(job), delta))
                 first = False
             if out.finished and job.include_usage:
                 yield _event(job.chunk(None, None, usage=job.usage(out.output)))

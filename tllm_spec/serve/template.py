@@ -7,13 +7,22 @@ gets the built-in template: every message as ``<|role|>\\ncontent\\n``, then ``<
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from .errors import APIError
 
 
-def builtin_chat_prompt(messages: list[dict[str, str]]) -> str:
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+def builtin_chat_prompt(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The built-in template; tools (OpenAI's definitions) go first as ``<|tools|>\n[...]\n``, an assistant
+    message's tool calls as their JSON after its content."""
+    head = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
+    return head + "".join(f"<|{m['role']}|>\n{m['content']}{_calls(m)}\n" for m in messages) + "<|assistant|>\n"
+
+
+def _calls(message: dict) -> str:
+    calls = message.get("tool_calls")
+    return json.dumps([call.get("function", call) for call in calls]) if calls else ""
 
 
 class ChatTemplate:
@@ -27,11 +36,13 @@ class ChatTemplate:
         adds_bos = bos is not None and self.has_template and encode("x")[:1] == [tokenizer.bos_token_id]
         self._duplicate_bos = bos if adds_bos else None  # encode adds BOS itself: drop the template's
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt of ``messages``; ``tools`` (OpenAI's function definitions) go to the template too."""
         if not self.has_template:
-            return builtin_chat_prompt(messages)
+            return builtin_chat_prompt(messages, tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as err:  # noqa: BLE001 (jinja's TemplateError, or what a template raises on bad roles)
             raise APIError(400, f"the chat template refused the messages: {err}", "messages") from None
         if self._duplicate_bos and text.startswith(self._duplicate_bos):
