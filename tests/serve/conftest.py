@@ -18,7 +18,7 @@ import torch
 
 from tllm_spec import Eagle3Config, SpecModel
 
-from .clients import API_KEY
+from .clients import API_KEY, MODEL
 
 SERVER_ARGS = ["--max-batch-size", "8", "--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
 STARTUP_TIMEOUT_S = 120
@@ -33,6 +33,13 @@ def free_port() -> int:
 @contextmanager
 def running_server(*extra_args: str) -> Iterator[str]:
     """Start a server, wait (bounded) for /health, yield its base URL; stop it however the tests end."""
+    with server_process(*extra_args) as (_, url, _):
+        yield url
+
+
+@contextmanager
+def server_process(*extra_args: str) -> Iterator[tuple[subprocess.Popen, str, object]]:
+    """(the server's process, its base URL, its log file: stdout and stderr) once it answers /health."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes share the CPU cores
     with tempfile.TemporaryFile() as log:
@@ -41,9 +48,10 @@ def running_server(*extra_args: str) -> Iterator[str]:
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_for_health(proc, url, log)
-            yield url
+            yield proc, url, log
         finally:
-            proc.terminate()
+            if proc.poll() is None:
+                proc.terminate()
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -89,3 +97,13 @@ def client(server_url: str) -> Iterator[openai.OpenAI]:
 def offline() -> SpecModel:
     return SpecModel.from_pretrained("demo://target", Eagle3Config(speculative_model="demo://eagle3", max_draft_len=3),
                                      dtype=torch.float32, device="cpu", max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def demo_app():
+    """The demo pair (EAGLE-3 head, K = 3) behind the app, in this process (tests/serve/inprocess.py)."""
+    model = SpecModel.from_pretrained("demo://target", Eagle3Config(speculative_model="demo://eagle3", max_draft_len=3),
+                                      dtype=torch.float32, device="cpu", max_batch_size=4)
+    from tllm_spec.serve.app import build_app
+    yield model, build_app(model, MODEL)
+    model.close()

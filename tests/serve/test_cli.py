@@ -47,7 +47,8 @@ def test_spec_config_adds_draft_fields_such_as_a_tree():
                                   ["serve", "--spec-config", "{use_dynamic_tree: 1}"],
                                   ["serve", "--spec-config", '{"max_draft_len": 0}', "--device", "cpu"],
                                   ["serve", "--spec-config", '{"no_such_field": 1}', "--device", "cpu"],
-                                  ["serve", "--no-spec", "--spec-config", '{"max_draft_len": 2}', "--device", "cpu"]])
+                                  ["serve", "--no-spec", "--spec-config", '{"max_draft_len": 2}', "--device", "cpu"],
+                                  ["serve", "--no-spec", "-k", "2", "--device", "cpu"]])
 def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

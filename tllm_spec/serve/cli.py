@@ -10,6 +10,12 @@
 A TARGET without --draft or --mtp decodes plainly (the demo's EAGLE-3 head only fits the demo target). Usage and
 configuration errors are one line on stderr ("tllm-spec: error: --flag: ...") and exit status 2; the flags, the
 device, the address and --max-seq-len against the target's positions are checked before the model loads.
+
+Requests: temperature defaults to 1 (OpenAI's); max_tokens to 16 (completions) or the rest of the context (chat),
+and one that does not fit the context is a 400. Honoured: sampling, stop, logprobs, streaming, structured outputs
+(response_format, vLLM's guided_json / guided_regex / guided_grammar / guided_choice / structured_outputs), tool
+calls (tool_choice "required" or a named function; "auto" is refused); every other OpenAI field is informational
+or a 400 naming it (docs/serving.md). SIGINT / SIGTERM drain the server (--shutdown-timeout) and exit 0.
 """
 from __future__ import annotations
 
@@ -57,7 +63,8 @@ def fail(message: str) -> NoReturn:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_serve(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    _add_serve(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter))
     commands.add_parser("bench-serve", help="load an OpenAI-compatible server and measure TTFT / TPOT / ITL "
                         "(tllm-spec bench-serve --help)")
     return parser
@@ -72,7 +79,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     draft.add_argument("--draft", help="EAGLE-3 head directory")
     draft.add_argument("--mtp", action="store_true", help="MTP modules (the target's own; the demo's ships beside it)")
     draft.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
-    p.add_argument("-k", "--max-draft-len", type=int, default=3, help="drafts proposed per step (default 3)")
+    p.add_argument("-k", "--max-draft-len", type=int, help="drafts proposed per step (default 3; needs a draft)")
     p.add_argument("--spec-config", type=_json_object, default={}, metavar="JSON",
                    help="more fields of the draft's config (Eagle3Config / MTPConfig, TensorRT-LLM's names) as a "
                    "JSON object, e.g. a tree: '{\"eagle_choices\": [[0], [1], [0, 0]], \"max_draft_len\": 2}'")
@@ -93,8 +100,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "engine's, 0.5; 0: admit at once)")
     p.add_argument("--max-queue", type=_positive_int, default=DEFAULT_MAX_QUEUE,
                    help="requests in flight before 429")
-    p.add_argument("--shutdown-timeout", type=_seconds, default=5.0, help="on SIGINT/SIGTERM: seconds in-flight "
-                   "requests may take to finish before they are aborted (streams end with finish_reason 'abort')")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=5.0, help="on SIGINT/SIGTERM the server answers new "
+                   "requests 503 and gives those in flight this many seconds to finish, then aborts them (a stream "
+                   "ends with an error event, code 'aborted', and [DONE]) and exits 0 (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -105,10 +113,11 @@ def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
     """The draft the flags ask for: on the demo target its EAGLE-3 head unless --mtp or --no-spec; on another
     target none unless --draft or --mtp."""
     demo = args.target in (None, DEMO_TARGET)
-    fields = {"max_draft_len": args.max_draft_len, **args.spec_config}  # --spec-config's fields win
-    if args.no_spec or not (args.mtp or args.draft or demo):
-        if args.spec_config:
-            raise ValueError("--spec-config: it configures a draft, and this run has none (give --draft or --mtp)")
+    fields = {"max_draft_len": 3 if args.max_draft_len is None else args.max_draft_len, **args.spec_config}
+    if args.no_spec or not (args.mtp or args.draft or demo):  # --spec-config's fields win over -k's
+        for flag, given in (("--spec-config", args.spec_config), ("-k/--max-draft-len", args.max_draft_len)):
+            if given not in (None, {}):
+                raise ValueError(f"{flag}: it configures a draft, and this run has none (give --draft or --mtp)")
         return None
     if args.mtp:
         return MTPConfig(**{"mtp_checkpoint": DEMO_MTP if demo else None, **fields})
@@ -128,24 +137,21 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
+def _number(kind: type, low: float, what: str):
+    """An argparse type: a ``kind`` number in [low, inf), else one line saying ``what`` was expected."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected seconds, a number of at least 0, got {text!r}")
-    return value
+_positive_int = _number(int, 1, "a whole number of at least 1")
+_seconds = _number(float, 0, "seconds, a number of at least 0")
 
 
 def _json_object(text: str) -> dict:
@@ -261,22 +267,9 @@ def load_error(err: BaseException, args: argparse.Namespace) -> str:
     return f"--target: {err}"
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, printing one line once it listens."""
-
-    def __init__(self, config: uvicorn.Config, model_name: str):
-        super().__init__(config)
-        self.model_name = model_name
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        if not self.should_exit:
-            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
-            print(f"{PROG}: serving {self.model_name} on http://{self.config.host}:{port}", flush=True)
-
-
 def serve(args: argparse.Namespace) -> int:
     from .app import build_app
+    from .shutdown import DrainingServer
 
     spec_config, engine_config = checked_configs(args)  # the flags, then the address, then the model
     check_address(args.host, args.port)
@@ -287,9 +280,11 @@ def serve(args: argparse.Namespace) -> int:
         app = build_app(model, name, args.api_key, args.max_queue)
     except USER_ERRORS as err:  # pydantic's ValidationError is a ValueError
         fail(f"--target: {err}")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    _Uvicorn(config, name).run()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        DrainingServer(config, app.state.server, args.shutdown_timeout, f"{PROG}: serving {name}").run()
+    finally:
+        model.close()  # the engine's thread ends between steps, before the interpreter finalises
     return 0
 
 

@@ -141,7 +141,10 @@ def _canonical_state(tensors: dict[str, torch.Tensor], raw: dict[str, Any]) -> t
         raise NotImplementedError(f"head has {len(layer_ids)} decoder layers (layers.{layer_ids}); only 1 supported")
     if layer_ids != [0] and not has_mid:
         found = f"layers.{layer_ids[0]}.*" if layer_ids else "none"
-        raise ValueError(f"decoder-layer tensors: expected midlayer.* or layers.0.*, found {found}")
+        if any(key.startswith("model.layers.") for key in tensors):
+            found += " (it holds model.layers.*: a whole causal LM, not an EAGLE-3 head)"
+        raise ValueError(f"not an EAGLE-3 head: decoder-layer tensors: expected midlayer.* or layers.0.*, found "
+                         f"{found}")
     state = {_MID + k[len("layers.0."):] if k.startswith("layers.0.") else k: v
              for k, v in tensors.items() if k not in _TRAINING_ONLY}
     if layer_ids:
