@@ -190,6 +190,7 @@ def test_usage_and_config_errors_are_one_line_and_status_2(generate_script, tmp_
     assert err.startswith(f"generate.py: error: {where}")
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_a_config_error_prints_no_traceback():
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--top-p", "0"],
                          capture_output=True, text=True, timeout=300, check=False)

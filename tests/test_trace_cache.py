@@ -111,6 +111,7 @@ def _plus_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
 def test_a_package_that_fails_to_load_is_deleted_and_traced_afresh(tmp_path, monkeypatch):
     """torch raising while it installs a saved package's guards does not fail the compile: tllm_spec warns, deletes

@@ -96,7 +96,7 @@ def _generate_tp2(target: str, head: str) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: CI's slow run
 def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
     target, head = tiny_tp_pair(arch)
     ranks = run_ranks(_generate_tp2, str(target), str(head))
@@ -131,6 +131,7 @@ def _bad_configurations(three_heads: str, target: str, head: str) -> list[str]:
     return errors
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_bad_configurations_fail_on_every_rank_without_hanging():
     three_heads, _ = tiny_tp_pair("llama", hidden_size=96, num_attention_heads=3, num_key_value_heads=3)
     target, head = tiny_tp_pair("llama")
@@ -273,6 +274,7 @@ def _random_tp2_model(workdir: str) -> dict:
             "bytes": step_bytes(plain, 2, 10)}
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_random_sharded_target_for_benchmarks(tmp_path):
     """benchmark.py's random targets at TP2: whole tensors equal on both ranks, shards their own, half the rows,
     and a per-GPU roofline that counts only this rank's bytes (about half of the target's)."""

@@ -100,6 +100,7 @@ def test_a_tree_schedule_with_lengths_neither_the_tree_nor_a_chain_is_refused(sc
         Eagle3Config(speculative_model="x", max_draft_len=4, eagle_choices=TREE, draft_len_schedule=schedule)
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_sampled_trees_with_rejection_sampling():
     """Rejection sampling on a tree: greedy requests in the batch keep the target's greedy output, seeded sampled
     requests are reproducible whatever the batch order, and sampled requests accept more per step than strict

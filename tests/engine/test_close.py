@@ -44,6 +44,7 @@ def test_with_block_closes_a_model_that_never_ran():
         model.generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_models_left_open_are_closed_at_exit():
     """A program that never closes its model, and drops it (as a main() that returns does): the exit hook stops
     the engine's thread before the interpreter tears down (and prints nothing)."""

@@ -68,6 +68,7 @@ def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_an_api_key_is_required_everywhere_but_health(keyed_server_url):
     url = keyed_server_url
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
@@ -83,6 +84,7 @@ def test_an_api_key_is_required_everywhere_but_health(keyed_server_url):
     assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).status_code == 200
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_requests_past_the_in_flight_limit_get_429(keyed_server_url):
     with openai.OpenAI(base_url=f"{keyed_server_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
         stream = c.completions.create(model=MODEL, prompt=PROMPT, stream=True, max_tokens=2000,

@@ -62,6 +62,7 @@ def test_sigterm_drains_aborts_and_exits_0():
     _check_shutdown(signal.SIGTERM)
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
 def test_requests_that_finish_within_the_grace_period_are_answered_in_full():
     with server_process("--shutdown-timeout", "60") as (proc, url, _):
         with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "max_tokens": 300}, timeout=60) as response:
