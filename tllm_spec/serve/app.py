@@ -72,6 +72,7 @@ class Server:
         self.engine = model.async_engine
         self.model_name = model_name
         self.max_seq_len = model.engine.max_seq_len
+        self.vocab_size = model.runner.vocab_size
         self.metrics = ServerMetrics(self.engine, model.runner.max_accepted_drafts)
         self.admission = Admission(max_queue)
         self.template = ChatTemplate(model.tokenizer, model.encode)
@@ -189,7 +190,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 async def list_models(request: Request) -> ModelList:
     server = _server(request)
     return ModelList(data=[ModelCard(id=server.model_name, created=server.created, max_model_len=server.max_seq_len,
-                                     vocab_size=server.engine.loop.engine.runner.vocab_size)])
+                                     vocab_size=server.vocab_size)])
 
 
 @routes.get("/metrics")

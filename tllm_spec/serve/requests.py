@@ -88,11 +88,13 @@ class GenerationRequest(_Body):
 
     def refuse_unsupported(self) -> None:
         """400 for a refused field that is set, or a field the server does not know (rather than ignore it)."""
-        for name, value in {**dict(self), **(self.model_extra or {})}.items():
-            if name in REFUSED and value is not None and value != REFUSED[name][0]:
+        extra = self.model_extra or {}
+        for name, value in {**dict(self), **extra}.items():
+            if value is None:
+                continue
+            if name in REFUSED and value != REFUSED[name][0]:
                 raise APIError(400, REFUSED[name][1], name)
-            if name in (self.model_extra or {}) and name not in REFUSED | dict.fromkeys(INFORMATIONAL) \
-                    and value is not None:
+            if name in extra and name not in REFUSED and name not in INFORMATIONAL:
                 raise APIError(400, f"unknown field {name!r}: not an OpenAI parameter nor a vLLM extra this server "
                                "takes", name)
 
