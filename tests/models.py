@@ -86,3 +86,12 @@ def hf_greedy(target: Path, prompt: list[int], max_new_tokens: int) -> list[int]
         out = hf_model(target).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+@cache
+def tiny_draft_lm(arch: str = "llama", vocab_size: int = 97, seed: int = 7, num_layers: int = 2,
+                  hidden_size: int = 32) -> Path:
+    """A small random causal LM of ``arch`` with the tiny targets' vocabulary: a draft LM (DraftTargetConfig)."""
+    cfg = target_config(arch, vocab_size=vocab_size, num_hidden_layers=num_layers, hidden_size=hidden_size,
+                        intermediate_size=2 * hidden_size, num_attention_heads=2, num_key_value_heads=1)
+    return save_random_target(_ROOT / f"draft-{arch}-{vocab_size}-{seed}-{num_layers}-{hidden_size}", cfg, seed=seed)

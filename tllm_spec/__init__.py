@@ -1,4 +1,5 @@
-"""tllm_spec: TensorRT-LLM-style one-model speculative decoding (EAGLE-3, MTP) for Hugging Face causal LMs.
+"""tllm_spec: TensorRT-LLM-style one-model speculative decoding (EAGLE-3, MTP, a draft LM,
+suffix-automaton drafting) for Hugging Face causal LMs.
 
 The names below load on first use (PEP 562): ``import tllm_spec`` alone, or a light submodule (the serving
 benchmark's client, the cache settings), does not import torch, Dynamo or transformers."""
@@ -16,11 +17,13 @@ _EXPORTS = {
     "GenerationOutputs": ".engine.request",
     "RequestOutput": ".engine.request",
     "SpecModel": ".spec_model",
+    "DraftTargetConfig": ".config",
     "Eagle3Config": ".config",
     "EngineConfig": ".config",
     "GuidedDecodingParams": ".config",
     "MTPConfig": ".config",
     "RunConfig": ".config",
+    "SAConfig": ".config",
     "SamplingParams": ".config",
     "load_run_config": ".config",
     "SpecMetadata": ".drafts",
@@ -31,11 +34,13 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from .config import (
+                         DraftTargetConfig,
                          Eagle3Config,
                          EngineConfig,
                          GuidedDecodingParams,
                          MTPConfig,
                          RunConfig,
+                         SAConfig,
                          SamplingParams,
                          load_run_config,
     )

@@ -1,12 +1,11 @@
 """SpeculativeDecodingMode: the TensorRT-LLM mode names and predicates, and which modes this package runs.
 
 The predicates reproduce ``SpeculativeDecodingMode`` of TensorRT-LLM's
-``tensorrt_llm/_torch/speculative/interface.py`` at commit b35ac1b64368 (the revision whose members are exactly
-these eleven) with identical truth tables but one: ``support_overlap_scheduler`` is True for MTP_EAGLE, as in
-later revisions. Those add members (SA, PARD, DFLASH, DSPARK, DRAFT_TARGET_ONE_MODEL) and, over these eleven,
-also differ in ``has_spec_drafter`` (SAVE_HIDDEN_STATES becomes False) and the arguments of ``extend_ctx`` /
-``attention_need_spec_dec_mode``. tllm_spec's own predicates carry names TensorRT-LLM does not use
-(:meth:`supported`, :meth:`check_supported`).
+``tensorrt_llm/_torch/speculative/interface.py`` in its 2026 revision whose members are exactly these fifteen
+(SA, DRAFT_TARGET_ONE_MODEL, PARD and DFLASH added to the eleven of commit b35ac1b64368), with identical truth
+tables. An attention-backend argument becomes a flag (``multi_token_query_attention``: TensorRT-LLM's own
+attention) and ``spec_resource_manager.is_first_draft`` the ``is_first_draft`` flag. tllm_spec's own predicates
+carry names TensorRT-LLM does not use (:meth:`supported`, :meth:`check_supported`).
 """
 from __future__ import annotations
 
@@ -16,9 +15,10 @@ from enum import IntEnum, auto
 class SpeculativeDecodingMode(IntEnum):
     """TensorRT-LLM's speculative-decoding modes.
 
-    tllm_spec runs the one-model modes only (the draft network lives inside the target's forward):
+    tllm_spec runs the one-model modes only (the draft lives inside the target's forward):
     ``EAGLE3_ONE_MODEL``, ``MTP`` (vanilla MTP, N distinct modules), ``MTP_EAGLE_ONE_MODEL`` (module 0
-    reused for every draft step) and ``NONE``. The other members exist so that names users know from
+    reused for every draft step), ``DRAFT_TARGET_ONE_MODEL`` (a small LM of the target's vocabulary), ``SA``
+    (drafts copied from the text so far) and ``NONE``. The other members exist so that names users know from
     TensorRT-LLM parse, and are refused with a clear error by :meth:`check_supported`.
     """
 
@@ -28,9 +28,13 @@ class SpeculativeDecodingMode(IntEnum):
     EAGLE3 = auto()
     EAGLE3_ONE_MODEL = auto()
     NGRAM = auto()
+    SA = auto()
     DRAFT_TARGET = auto()
+    DRAFT_TARGET_ONE_MODEL = auto()
     USER_PROVIDED = auto()
     SAVE_HIDDEN_STATES = auto()
+    PARD = auto()
+    DFLASH = auto()
     NONE = auto()
     AUTO = auto()
 
@@ -48,14 +52,14 @@ class SpeculativeDecodingMode(IntEnum):
     @classmethod
     def supported(cls) -> tuple[SpeculativeDecodingMode, ...]:
         """The modes tllm_spec runs (not a TensorRT-LLM predicate)."""
-        return (cls.EAGLE3_ONE_MODEL, cls.MTP, cls.MTP_EAGLE_ONE_MODEL, cls.NONE)
+        return (cls.EAGLE3_ONE_MODEL, cls.MTP, cls.MTP_EAGLE_ONE_MODEL, cls.DRAFT_TARGET_ONE_MODEL, cls.SA, cls.NONE)
 
     def check_supported(self) -> SpeculativeDecodingMode:
         """Return self, or raise naming the modes this package runs (not a TensorRT-LLM predicate)."""
         if self not in self.supported():
             names = ", ".join(m.name for m in self.supported())
             raise NotImplementedError(
-                f"speculative decoding mode {self.name} is not run by tllm_spec (two-model and external-drafter "
+                f"speculative decoding mode {self.name} is not run by tllm_spec (two-model and parallel-draft "
                 f"modes are out of scope); supported modes: {names}")
         return self
 
@@ -80,6 +84,18 @@ class SpeculativeDecodingMode(IntEnum):
     def is_ngram(self) -> bool:
         return self is SpeculativeDecodingMode.NGRAM
 
+    def is_sa(self) -> bool:
+        return self is SpeculativeDecodingMode.SA
+
+    def is_pard(self) -> bool:
+        return self is SpeculativeDecodingMode.PARD
+
+    def is_dflash(self) -> bool:
+        return self is SpeculativeDecodingMode.DFLASH
+
+    def is_parallel_draft(self) -> bool:
+        return self.is_pard() or self.is_dflash()
+
     def is_user_provided(self) -> bool:
         return self is SpeculativeDecodingMode.USER_PROVIDED
 
@@ -89,31 +105,43 @@ class SpeculativeDecodingMode(IntEnum):
     def is_draft_target(self) -> bool:
         return self is SpeculativeDecodingMode.DRAFT_TARGET
 
+    def is_draft_target_one_model(self) -> bool:
+        return self is SpeculativeDecodingMode.DRAFT_TARGET_ONE_MODEL
+
+    def is_external_drafter(self) -> bool:
+        """A draft network with its own checkpoint and layers inside the target's step (a draft LM, PARD)."""
+        return self.is_parallel_draft() or self.is_draft_target_one_model()
+
     def is_save_hidden_states(self) -> bool:
         return self is SpeculativeDecodingMode.SAVE_HIDDEN_STATES
 
     def use_one_engine(self) -> bool:
         """Draft and target run in one model forward."""
-        return self.is_eagle3_one_model() or self.is_mtp_one_model()
+        return self.is_eagle3_one_model() or self.is_mtp_one_model() or self.is_external_drafter() or self.is_sa()
 
     def without_logits(self) -> bool:
         """The model's forward returns the speculative outputs rather than logits for an external sampler."""
-        return self.is_mtp_one_model() or self.is_eagle3_one_model()
+        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_external_drafter() or self.is_sa()
 
     def needs_kv_cache_rewind(self) -> bool:
         """Rejected drafts leave target KV entries behind that the engine rewinds (here: by length)."""
-        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_ngram()
+        return (self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_ngram() or self.is_sa()
+                or self.is_external_drafter())
 
     def support_overlap_scheduler(self) -> bool:
-        """As later TensorRT-LLM revisions have it: every mode with a draft model, MTP_EAGLE included (the
-        pinned revision excluded MTP_EAGLE under a "TODO: fix accuracy issue")."""
-        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.has_draft_model()
+        return (self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_sa() or self.has_draft_model()
+                or self.is_external_drafter())
 
     def support_guided_decoder(self) -> bool:
         return self.is_none() or self.has_spec_drafter()
 
     def support_capturable_guided_decoder(self) -> bool:
-        return self.is_mtp_one_model() or self.is_eagle3_one_model()
+        return self.is_mtp_one_model() or self.is_eagle3_one_model() or self.is_external_drafter() or self.is_sa()
+
+    def support_dynamic_draft_len(self) -> bool:
+        """TensorRT-LLM's answer (EAGLE-3 one-model only, "expand to all one-model algorithms"); tllm_spec's
+        ``draft_len_schedule`` also runs for MTP-Eagle and the draft LM (engine/draft_len.py)."""
+        return self.is_eagle3_one_model()
 
     def has_draft_model(self) -> bool:
         """A *separate* draft model engine (two-model modes). False for the one-model modes, whose draft
@@ -126,43 +154,42 @@ class SpeculativeDecodingMode(IntEnum):
 
     def need_load_draft_weights(self) -> bool:
         """Draft and target share one model engine and the draft's weights come from a separate checkpoint."""
-        return self.is_eagle3_one_model()
+        return self.is_eagle3_one_model() or self.is_external_drafter()
 
     def has_spec_decoder(self) -> bool:
-        return self.is_mtp_one_model() or self.is_mtp_eagle() or self.is_eagle3() or self.is_eagle3_one_model()
+        return (self.is_mtp_one_model() or self.is_mtp_eagle() or self.is_eagle3() or self.is_eagle3_one_model()
+                or self.is_external_drafter() or self.is_sa())
 
     def has_spec_drafter(self) -> bool:
         return (self.is_eagle3() or self.is_draft_target() or self.is_ngram() or self.is_user_provided()
-                or self.is_mtp_eagle() or self.is_save_hidden_states())
+                or self.is_mtp_eagle())
 
     def extend_ctx(self, multi_token_query_attention: bool = True, sm_version: int | None = None) -> bool:
         """Treat generation requests with drafts as chunked context requests at the kernel level.
 
         TensorRT-LLM takes ``attention_backend`` (a class); ``multi_token_query_attention`` stands for
         ``issubclass(attention_backend, TrtllmAttention)``, i.e. a kernel that runs a generation request's
-        K+1 tokens as one multi-token query (tllm_spec's own attention is one, hence the default).
-        ``sm_version`` is TensorRT-LLM's ``get_sm_version()`` (None: read from the current CUDA device, 0
-        without one).
+        K+1 tokens as one multi-token query (tllm_spec's own attention is one, hence the default), whose XQA
+        path runs below SM 120. ``sm_version`` is TensorRT-LLM's ``get_sm_version()`` (None: read from the
+        current CUDA device, 0 without one).
         """
         if self.use_one_engine():
             return False  # one-model handles draft tokens itself
-        if multi_token_query_attention and self.is_mtp_eagle():
-            return False  # TRT-LLM: its MLA kernel does not work in chunked-context mode
-        return not multi_token_query_attention or _sm_version(sm_version) != 100
+        return not multi_token_query_attention or _sm_version(sm_version) >= 120
 
     def attention_need_spec_dec_mode(self, is_first_draft: bool, is_draft_model: bool,
-                                     multi_token_query_attention: bool = True, use_chain_drafter: bool = False,
-                                     is_spec_dec_tree: bool = False) -> bool:
-        """The attention kernel runs in spec-dec (multi-token query) mode.
+                                     multi_token_query_attention: bool = True, use_chain_drafter: bool = False
+                                     ) -> bool:
+        """The attention kernel runs in spec-dec (multi-token query) mode: always in one-model modes; in two-model
+        modes for the target, or the first draft of a capturable drafting loop, on TensorRT-LLM's attention.
 
         TensorRT-LLM's arguments are ``(spec_resource_manager, is_draft_model, attention_backend,
-        use_chain_drafter, is_spec_dec_tree)``: ``is_first_draft`` stands for
-        ``spec_resource_manager.is_first_draft`` and ``multi_token_query_attention`` for
-        ``issubclass(attention_backend, TrtllmAttention)``. ``is_spec_dec_tree`` is unused there too.
+        use_chain_drafter)``: ``is_first_draft`` stands for ``spec_resource_manager.is_first_draft`` and
+        ``multi_token_query_attention`` for ``issubclass(attention_backend, TrtllmAttention)``.
         """
-        return self.is_eagle3_one_model() or (
-            self.is_eagle3() and is_first_draft and multi_token_query_attention and use_chain_drafter
-            and is_draft_model)
+        if self.use_one_engine():
+            return True
+        return (not is_draft_model or (is_first_draft and use_chain_drafter)) and multi_token_query_attention
 
 
 def _sm_version(sm_version: int | None) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Eagle3Config, EngineConfig, MTPConfig, RunConfig, SamplingParams
+from .config import EngineConfig, RunConfig, SamplingParams, SpecConfig
 from .drafts.base import SpecWorkerBase
 from .engine import streams
 from .engine.async_engine import AsyncEngine
@@ -52,7 +52,7 @@ class SpecModel:
         self.close()
 
     @classmethod
-    def from_pretrained(cls, target_dir: str | Path, spec_config: Eagle3Config | MTPConfig | None = None,
+    def from_pretrained(cls, target_dir: str | Path, spec_config: SpecConfig | None = None,
                         dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                         engine_config: EngineConfig | None = None, **engine_kwargs) -> SpecModel:
         """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft.
@@ -65,7 +65,7 @@ class SpecModel:
         return cls(load_runner(target_dir, spec_config, dtype, device, config))
 
     @classmethod
-    def from_target(cls, target: TargetModel, spec_config: Eagle3Config | MTPConfig | None = None,
+    def from_target(cls, target: TargetModel, spec_config: SpecConfig | None = None,
                     engine_config: EngineConfig | None = None, tokenizer=None, **engine_kwargs) -> SpecModel:
         """Wrap an already loaded (or randomly initialised) target and load the draft for it."""
         config = engine_config_with(engine_config, engine_kwargs)

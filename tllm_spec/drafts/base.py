@@ -16,7 +16,9 @@ _SALT_TARGET, _SALT_DRAFT = 0x7A, 0xD7  # per-request streams share counters bet
 
 if TYPE_CHECKING:
     from ..guided.decoder import GuidedDecoder
+    from .sa.enhancer import SADraftEnhancer
     from ..model.attention import AttentionMetadata
+    from ..model.kv_cache import KVCache
 
 
 class SpecWorkerBase(nn.Module, ABC):
@@ -42,6 +44,7 @@ class SpecWorkerBase(nn.Module, ABC):
         self.draft_probs: torch.Tensor | None = None  # [slots, K, V] f32: what each slot's drafts were drawn from
         # (a tree's: [slots, P, V], one per node with children)
         self.guided_decoder: GuidedDecoder | None = None
+        self.sa_enhancer: SADraftEnhancer | None = None  # use_sa_spec: drafts from the text where it repeats
 
     @property
     def forced_num_accepted(self) -> float | None:
@@ -53,12 +56,26 @@ class SpecWorkerBase(nn.Module, ABC):
         self._forced, self.forcing = value, value is not None
         self.forced_value.fill_(value or 0.0)
 
-    def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+    def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device, max_positions: int = 0) -> None:
         """Per-request device state kept across steps (indexed by KV slot): the draft distributions that
-        rejection sampling verifies against at the next step; the forced count."""
+        rejection sampling verifies against at the next step; the forced count; an SA enhancer's texts (of at most
+        ``max_positions`` tokens each)."""
         if self.use_rejection_sampling:
             self.draft_probs = torch.zeros(num_slots, self.draft_prob_rows, vocab_size, device=device)
         self.forced_value = self.forced_value.to(device)
+        if self.sa_enhancer is not None:
+            self.sa_enhancer.allocate(num_slots, max_positions, device)
+
+    def _enhance_drafts(self, input_ids: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                        next_draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """With ``use_sa_spec``: the step's tokens added to each request's text, and the head's next drafts [B, k']
+        replaced where the text repeats (slots [B]); else the drafts unchanged."""
+        if self.sa_enhancer is None:
+            return next_draft_tokens
+        self.sa_enhancer.observe(input_ids, new_tokens, num_accepted, attn, spec_metadata, slots)
+        sampled = self.use_rejection_sampling and not spec_metadata.all_greedy
+        return self.sa_enhancer.override(next_draft_tokens, slots, self.draft_probs if sampled else None)
 
     @property
     def draft_prob_rows(self) -> int:
@@ -91,6 +108,10 @@ class SpecWorkerBase(nn.Module, ABC):
 
     def compile(self) -> None:
         """torch.compile the draft network's passes for generation-only steps; default none."""
+
+    def bind_kv_cache(self, kv_cache: KVCache) -> None:
+        """Point the draft's fused layers at ``kv_cache``'s tensors (as the runner does the target's); default
+        none: the EAGLE-3 head and MTP modules address their KV layer by index."""
 
     def set_guided_decoder(self, guided_decoder: GuidedDecoder) -> bool:
         """Mask target rows and draft passes with ``guided_decoder``'s grammar bitmasks (TensorRT-LLM name)."""

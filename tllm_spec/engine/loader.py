@@ -10,22 +10,25 @@ import torch
 from transformers import AutoConfig
 
 from .. import demo
-from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, EngineConfig, MTPConfig
+from ..config import DEMO_MTP, DEMO_TARGET, DraftTargetConfig, Eagle3Config, EngineConfig, MTPConfig, SAConfig
 from ..distributed import symmetric
 from ..distributed.parallel import TensorParallel, local_process_device
 from ..drafts.base import SpecWorkerBase
+from ..drafts.draft_target.worker import build_draft_target_worker
 from ..drafts.eagle3.worker import build_eagle3_worker
 from ..drafts.mtp.worker import build_mtp_worker
 from ..drafts.plain import PlainWorker
+from ..drafts.sa.worker import build_sa_worker
 from ..model.target import TargetModel, check_max_seq_len
 from ..modes import SpeculativeDecodingMode
 from ..tokenizer import load_tokenizer
 from .runner import ModelRunner
 
-SpecConfig = Eagle3Config | MTPConfig
+SpecConfig = Eagle3Config | MTPConfig | DraftTargetConfig | SAConfig
 # one build function per draft kind, the same shape for each: (target, config, max_batch_size) -> worker
 WORKER_BUILDERS: dict[type, Callable[[TargetModel, SpecConfig, int], SpecWorkerBase]] = {
-    Eagle3Config: build_eagle3_worker, MTPConfig: build_mtp_worker}
+    Eagle3Config: build_eagle3_worker, MTPConfig: build_mtp_worker, DraftTargetConfig: build_draft_target_worker,
+    SAConfig: build_sa_worker}
 
 
 def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: torch.dtype | str | None,
@@ -80,8 +83,9 @@ def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engin
 
 def resolve_demo_paths(spec_config: SpecConfig) -> SpecConfig:
     """The config with its ``demo://`` checkpoint addresses replaced by the shipped directories."""
-    field = "speculative_model" if isinstance(spec_config, Eagle3Config) else "mtp_checkpoint"
-    value = getattr(spec_config, field)
+    field = {Eagle3Config: "speculative_model", DraftTargetConfig: "speculative_model",
+             MTPConfig: "mtp_checkpoint"}.get(type(spec_config))
+    value = None if field is None else getattr(spec_config, field)
     return spec_config if value is None else spec_config.model_copy(update={field: str(demo.resolve(value))})
 
 

@@ -51,7 +51,8 @@ class ModelRunner:
             metadata.is_spec_dec_tree, metadata.is_spec_dec_dynamic_tree = True, tree_step.is_dynamic
         self.model = OneModel(target, worker, mode, metadata)
         self.kv_cache = self._make_kv_cache()
-        worker.allocate_state(self.max_batch_size + 1, target.vocab_size, device)  # + the padding slot
+        worker.allocate_state(self.max_batch_size + 1, target.vocab_size, device,  # + the padding slot
+                              self.max_positions_per_request)
         self.num_kv_pages = self.kv_cache.k[0].shape[0]
         if engine_config.use_fused_layers:
             target.fuse(self.max_positions_per_request)
@@ -198,6 +199,7 @@ class ModelRunner:
         have pointed it at its own); before every step and capture (a replayed graph keeps its capture's)."""
         if self.target.fused is not None:
             self.target.fused.bind_kv_cache(self.kv_cache)
+        self.worker.bind_kv_cache(self.kv_cache)
 
     def prepare_graphs(self, params: Sequence[SamplingParams]) -> None:
         """Capture every bucket's graph for the sampling variants of ``params`` before the first timed step."""

@@ -56,7 +56,8 @@ class FusedDecoder(nn.Module):
             return None
         decoder = hf_model.get_decoder()
         dtype = decoder.embed_tokens.weight.dtype
-        layers = [_fuse_layer(layer, i) for i, layer in enumerate(decoder.layers)]
+        # each layer writes the KV layer its stock attention names (a draft LM's come after the target's)
+        layers = [_fuse_layer(layer, layer.self_attn.layer_idx) for layer in decoder.layers]
         for layer in layers:
             layer.self_attn.tp_group = layer.mlp.tp_group = tp_group
         return cls(decoder.embed_tokens, layers, decoder.norm,

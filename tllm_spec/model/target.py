@@ -92,6 +92,12 @@ class TargetModel(nn.Module):
             self.fused.rotary.resize(max_positions)
         return self.fused is not None
 
+    def place_kv_layers(self, first: int) -> None:
+        """Write K/V to cache layers ``first``, ``first + 1``, ... instead of 0, 1, ...: a draft LM's layers sit
+        after the target's in one KV pool (stock and fused layers alike; before :meth:`fuse`)."""
+        for i, layer in enumerate(self.decoder.layers):
+            layer.self_attn.layer_idx = first + i
+
     @property
     def decoder_layer_class(self) -> type[nn.Module]:
         """The stock HF decoder-layer class (MTP blocks are built from it)."""

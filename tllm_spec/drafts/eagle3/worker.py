@@ -9,6 +9,7 @@ from ...model.attention import AttentionMetadata
 from ...model.target import TargetModel
 from ..base import SpecWorkerBase
 from ..metadata import SpecMetadata
+from ..sa.enhancer import SADraftEnhancer
 from ..tree import DraftTree
 from .checkpoint import load_eagle3_checkpoint
 from .model import Eagle3DraftModel, resolve_capture_layers
@@ -45,8 +46,8 @@ class Eagle3OneModelWorker(SpecWorkerBase):
         self.draft_model = draft_model
         self.tree_step = tree_step
 
-    def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
-        super().allocate_state(num_slots, vocab_size, device)
+    def allocate_state(self, num_slots: int, vocab_size: int, device: torch.device, max_positions: int = 0) -> None:
+        super().allocate_state(num_slots, vocab_size, device, max_positions)
         if self.tree_step is not None:
             self.tree_step.allocate(num_slots, device)
 
@@ -94,6 +95,10 @@ class Eagle3OneModelWorker(SpecWorkerBase):
             row_tokens = spec_metadata.with_next_prompt_tokens(torch.cat([new_tokens[:num_contexts, 0], gen_rows]), 0)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata,
                                        paths)
+        if paths is None:  # chains (the config refuses use_sa_spec with a tree)
+            slots = attn.token_slots[spec_metadata.gather_ids[spec_metadata.first_rows()]]
+            next_draft_tokens = self._enhance_drafts(input_ids, new_tokens, num_accepted, next_draft_tokens, attn,
+                                                     spec_metadata, slots)
         out = {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,
@@ -209,5 +214,7 @@ def build_eagle3_worker(target: TargetModel, cfg: Eagle3Config, max_batch_size: 
                                                  target.num_layers))
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
     draft = Eagle3DraftModel.from_checkpoint(ckpt, target.num_layers, target.decoder.embed_tokens, dtype, device)
-    return Eagle3OneModelWorker(cfg.max_draft_len, draft, use_rejection_sampling=cfg.use_rejection_sampling,
-                                tree=tree)
+    worker = Eagle3OneModelWorker(cfg.max_draft_len, draft, use_rejection_sampling=cfg.use_rejection_sampling,
+                                  tree=tree)
+    worker.sa_enhancer = SADraftEnhancer(cfg.sa_spec_threshold) if cfg.use_sa_spec else None
+    return worker

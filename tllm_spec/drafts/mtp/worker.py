@@ -21,6 +21,7 @@ from ...model.target import TargetModel
 from ...sampling.forcing import forced_num_accepted
 from ..base import SpecWorkerBase, with_context_rows
 from ..metadata import SpecMetadata
+from ..sa.enhancer import SADraftEnhancer
 from .checkpoint import load_mtp_checkpoint
 from .model import MTPDraftModel
 from .relaxed import RelaxedAcceptance
@@ -60,6 +61,8 @@ class _MTPWorkerBase(SpecWorkerBase):
         row_tokens = self.row_tokens(new_tokens, spec_metadata)
         self._add_guided_draft_batch_if_present(num_accepted)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata)
+        next_draft_tokens = self._enhance_drafts(input_ids, new_tokens, num_accepted, next_draft_tokens, attn,
+                                                 spec_metadata, slots)
         return {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,
@@ -277,8 +280,11 @@ def build_mtp_worker(target: TargetModel, cfg: MTPConfig, max_batch_size: int) -
                                     cfg.end_thinking_phase_token, max_batch_size, device)
     options = dict(relaxed=relaxed, use_rejection_sampling=cfg.use_rejection_sampling)
     if vanilla:
-        return MTPWorker(num_modules, draft, max_batch_size, target.hidden_size, dtype, device, **options)
-    return MTPEagleWorker(cfg.num_draft_tokens, draft, num_modules, **options)
+        worker = MTPWorker(num_modules, draft, max_batch_size, target.hidden_size, dtype, device, **options)
+    else:
+        worker = MTPEagleWorker(cfg.num_draft_tokens, draft, num_modules, **options)
+    worker.sa_enhancer = SADraftEnhancer(cfg.sa_spec_threshold) if cfg.use_sa_spec else None
+    return worker
 
 
 def _window_attention(attn: AttentionMetadata, token_slots: torch.Tensor, positions: torch.Tensor

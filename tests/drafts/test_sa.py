@@ -1,0 +1,105 @@
+"""Suffix-automaton drafting (SA) and the SA enhancer on heads (use_sa_spec): lossless, drafts where the text
+repeats and none elsewhere, sampling keeps the target's distribution, bad settings refused in one line."""
+import pytest
+from pydantic import ValidationError
+
+from tllm_spec import Eagle3Config, MTPConfig, SAConfig, SamplingParams
+from tllm_spec.spec_model import SpecModel
+
+from ..models import hf_greedy, tiny_pair
+
+# the first repeats its opening; tiny random targets' greedy continuations fall into loops, which SA then drafts
+PROMPTS = [[5, 17, 3, 44, 9, 2, 71, 5, 17, 3, 44], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+MAX_NEW = [40, 30, 37]
+
+
+def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
+    outs = model.generate(prompts, [SamplingParams(max_new_tokens=n) for n in max_new])
+    for prompt, n, out in zip(prompts, max_new, outs):
+        assert out.token_ids == hf_greedy(target, prompt, n), f"prompt {prompt}"
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_sa_is_lossless_and_accepts_drafts_where_the_output_repeats(arch, k):
+    target, _ = tiny_pair(arch)
+    model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=k), max_batch_size=3)
+    outs = check_lossless(target, model)
+    assert sum(outs.stats["histogram"][1:]) > 0  # some step accepted a draft (histogram: by drafts accepted)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sa_with_chunked_prefill_and_a_fixed_ngram(batch):
+    target, _ = tiny_pair("qwen3")
+    prompts = [[9, 8, 7, 6, 5] * 6 + [1, 2], [4, 4, 3], [50 + i % 7 for i in range(29)]]
+    model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=6, max_matching_ngram_size=2),
+                                      max_batch_size=batch, max_num_batched_tokens=7)
+    check_lossless(target, model, prompts, [20, 15, 25])
+
+
+def test_a_request_without_a_match_verifies_no_drafts():
+    # no 50-token suffix ever repeats here: every step emits exactly the target's one token
+    target, _ = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=4, max_matching_ngram_size=50),
+                                      max_batch_size=3)
+    outs = check_lossless(target, model)
+    assert outs.stats["histogram"][1:] == [0] * 4  # no step accepted a draft
+
+
+def test_the_prompt_is_drafted_from():
+    # greedy output that copies the prompt: with the prompt repeated twice, SA drafts its third repetition
+    target, _ = tiny_pair("llama")
+    loop = hf_greedy(target, [12, 8], 30)[14:20]  # a span the target's greedy output cycles through
+    prompt = [12, 8] + loop * 3
+    expected = hf_greedy(target, prompt, 24)
+    model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=8), max_batch_size=1)
+    out = model.generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    assert out.token_ids == expected
+    if expected[:len(loop)] == loop:  # the target continues the loop: SA's drafts are exactly that
+        assert out.stats.accepted_per_step[1] > 1
+
+
+@pytest.mark.parametrize("spec", ["eagle3", "mtp_eagle", "mtp_vanilla"])
+def test_sa_on_top_of_a_head_is_lossless_and_drafts_more_where_text_repeats(spec):
+    from ..test_mtp_lossless import mtp_target
+
+    if spec == "eagle3":
+        target, head = tiny_pair("llama")
+        base = Eagle3Config(speculative_model=str(head), max_draft_len=3)
+    else:
+        target = mtp_target("llama", "deepseek")
+        base = MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=spec == "mtp_vanilla")
+    plain = check_lossless(target, SpecModel.from_pretrained(target, base, max_batch_size=3))
+    enhanced = SpecModel.from_pretrained(target, base.model_copy(update=dict(use_sa_spec=True, sa_spec_threshold=2)),
+                                         max_batch_size=3)
+    outs = check_lossless(target, enhanced)
+    assert outs.stats["mean_accepted_length"] > plain.stats["mean_accepted_length"]
+
+
+@pytest.mark.parametrize("spec", ["sa", "eagle3+sa"])
+def test_sampled_output_keeps_the_targets_distribution(spec):
+    from ..sampling.test_distribution import V, exact_joint, pvalue, sample_pairs
+
+    target, head = tiny_pair("llama", vocab_size=V, seed=4)
+    cfg = SAConfig(max_draft_len=3) if spec == "sa" else Eagle3Config(
+        speculative_model=str(head), max_draft_len=3, use_rejection_sampling=True, use_sa_spec=True,
+        sa_spec_threshold=1)
+    model = SpecModel.from_pretrained(target, cfg, max_batch_size=64)
+    counts, stats = sample_pairs(model, 1.0, seed=11)
+    assert pvalue(counts, exact_joint(target, 1.0)) > 1e-3
+    assert pvalue(counts, exact_joint(target, 0.6)) < 1e-4  # the check has power
+    # drafts were verified and some accepted (SA drafts where the prompt's tokens recur: a few percent of steps)
+    assert stats["acceptance_rate_per_position"][0] > 0.005
+
+
+def test_bad_settings_are_refused_in_one_line():
+    with pytest.raises(ValidationError, match="max_matching_ngram_size 0 is invalid"):
+        SAConfig(max_matching_ngram_size=0)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        Eagle3Config(speculative_model="x", use_sa_spec=True, sa_spec_threshold=0)
+    with pytest.raises(ValidationError, match="use_sa_spec drafts chains"):
+        Eagle3Config(speculative_model="x", max_draft_len=2, eagle_choices=[[0], [1], [0, 0]], use_sa_spec=True)
+    target, _ = tiny_pair("llama")
+    with pytest.raises(NotImplementedError, match="enable_global_pool"):
+        SpecModel.from_pretrained(target, SAConfig(enable_global_pool=True))
