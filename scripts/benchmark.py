@@ -1,10 +1,13 @@
 """Decode speed of one-model speculative decoding vs plain decoding, the memory roofline and HF generate.
 
-Random-weight target of a named shape and a random EAGLE-3 head (no download); acceptance is set with
+Random-weight target of a named shape and a random EAGLE-3 head (no download), or a random draft LM
+(--draft-shape), or suffix-automaton drafting (--sa); acceptance is set with
 TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 
     python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
     python scripts/benchmark.py --tree default --batches 1 8 32 --forced 3 --no-hf   # the default static tree
+    python scripts/benchmark.py --draft-shape llama-3.2-1b --batches 1 8 --forced 3 --no-hf   # a 1B draft LM
+    python scripts/benchmark.py --sa -k 8 --batches 1 --forced 8 --no-hf   # suffix drafting, 8 drafts
     python scripts/benchmark.py --plot-only runs/bench/benchmark.json
     torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape llama-3.1-70b --no-hf
     python scripts/benchmark.py --context 2048 8192 32768 --batches 1 8 --attention-backends old split flashinfer xqa
@@ -69,6 +72,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dynamic-tree", type=int, nargs=3, metavar=("TOPK", "DRAFTS", "DEPTH"),
                    help="the head grows a dynamic tree (a random head's trees are shallow: forced acceptance "
                    "stops at the depth they reach)")
+    p.add_argument("--draft-shape", choices=sorted(SHAPES), help="speculate with a random draft LM of this shape "
+                   "(DraftTargetConfig, e.g. llama-3.2-1b for the 8B target) instead of an EAGLE-3 head")
+    p.add_argument("--sa", action="store_true", help="speculate with suffix-automaton drafting (SAConfig, -k drafts) "
+                   "instead of an EAGLE-3 head")
+    p.add_argument("--sa-spec", action="store_true", help="the EAGLE-3 head with use_sa_spec (the automaton's drafts "
+                   "where the text repeats)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--forced", type=float, nargs="+", help="forced accepted drafts (default 0..K and 1.5; 0 means off, as in TensorRT-LLM: the draft's own acceptance, ~0 drafts for random heads)")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -98,7 +107,19 @@ def parse_args() -> argparse.Namespace:
     check_context_arguments(p, args)
     if args.tree and args.dynamic_tree:
         p.error("--tree and --dynamic-tree exclude each other")
+    if sum(map(bool, (args.draft_shape, args.sa, args.sa_spec or args.tree or args.dynamic_tree))) > 1:
+        p.error("--draft-shape, --sa and the EAGLE-3 head's options (--sa-spec, --tree, --dynamic-tree) exclude "
+                "each other")
     return args
+
+
+def spec_of(args: argparse.Namespace) -> tuple[str, dict]:
+    """(random_spec_model's spec, its config fields) for the drafter the flags ask for."""
+    if args.draft_shape:
+        return "draft_target", {}
+    if args.sa:
+        return "sa", {}
+    return "eagle3", {**tree_fields(args), **({"use_sa_spec": True} if args.sa_spec else {})}
 
 
 def tree_fields(args: argparse.Namespace) -> dict:
@@ -135,7 +156,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = local_process_device(torch.device("cuda")) if tp > 1 else torch.device("cuda")
-    tree = tree_fields(args)
+    spec_name, spec_fields = spec_of(args)
+    tree = {name: value for name, value in spec_fields.items() if name != "use_sa_spec"}
     k = args.max_draft_len
     forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
     bandwidth = measure_bandwidth(device)
@@ -146,7 +168,8 @@ def main() -> None:
                "tp_all_reduce": args.tp_all_reduce,
                "dtype": "bfloat16",
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None}
+               "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None,
+               "spec": spec_name, "spec_fields": spec_fields, "draft_shape": args.draft_shape}
     variants, default_models = [("default", {})], None
     if args.compare_eager:  # the default compiles the step where compile_step="auto" finds that it pays
         variants += [("fused, compiled", dict(compile_step=True)), ("fused, not compiled", dict(compile_step=False)),
@@ -157,7 +180,8 @@ def main() -> None:
             continue  # the default already measured it
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as workdir:
-            spec = random_spec_model(args.shape, "eagle3", k, workdir, torch.bfloat16, "cuda", spec_fields=tree,
+            spec = random_spec_model(args.shape, spec_name, k, workdir, torch.bfloat16, "cuda",
+                                     spec_fields=spec_fields, draft_shape=args.draft_shape or "llama-3.2-1b",
                                      **engine, **options)
         plain = SpecModel.from_target(spec.target, None, **engine, **options)
         todo = forced if name == "default" else [float(k)]
@@ -266,10 +290,10 @@ def plot(results: dict, path: Path) -> None:
         plot_variants(axes[0][-1], results["points"], variants, results["k"])
     for ax, batch in zip(axes[0], batches):
         default = [p for p in results["points"] if p.get("variant", "default") == "default"]
-        spec = sorted((p for p in default if p["batch"] == batch and p["mode"] == "eagle3"),
+        spec = sorted((p for p in default if p["batch"] == batch and p["mode"] != "none"),
                       key=lambda p: p["forced_drafts"])
         x = [p["forced_drafts"] for p in spec]
-        ax.plot(x, [p["tokens_per_second"] for p in spec], "o-", label="EAGLE-3 (measured)")
+        ax.plot(x, [p["tokens_per_second"] for p in spec], "o-", label=f"{results.get('spec', 'eagle3')} (measured)")
         ax.plot(x, [p["roofline_tokens_per_second"] for p in spec], "--", color="grey", label="memory roofline")
         for p in default:
             if p["batch"] == batch and p["mode"] == "none":
@@ -298,7 +322,7 @@ def plot_variants(ax, points: list[dict], variants: list[str], k: int) -> None:
 
     base = variants[-1]
     by_variant = {variant: speeds(variant) for variant in variants}
-    groups = [(mode, batch) for mode in ("none", "eagle3") for batch in sorted({p["batch"] for p in points})
+    groups = [(mode, batch) for mode in dict.fromkeys(p["mode"] for p in points) for batch in sorted({p["batch"] for p in points})
               if all((mode, batch) in v for v in by_variant.values())]  # a cut-short run lacks some points
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):

@@ -18,9 +18,9 @@ from ..spec_model import SpecModel
 class Point:
     """One measured configuration."""
 
-    mode: str  # "eagle3" or "none"
+    mode: str  # the drafter (spec_kind: "eagle3", "eagle3+sa", "mtp", "draft_target", "sa") or "none"
     batch: int
-    draft_len: int  # drafts proposed per step (0 for "none", and for an "eagle3" step scheduled without drafts)
+    draft_len: int  # drafts proposed per step (0 for "none", and for a step scheduled without drafts)
     forced_drafts: float | None  # forced accepted drafts per step (None: no speculation)
     step_ms: float
     host_ms_per_step: float
@@ -73,14 +73,28 @@ def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int 
     k = model.max_draft_len if draft_len is None else draft_len
     if getattr(model.worker, "tree_step", None) is not None and model.worker.is_tree(k):
         k = model.worker.tree_step.max_depth  # a tree's step: a head pass (and a read of its cache) per depth
-    if model.max_draft_len:
+    draft_kv = max(k, 1) * batch * context_len * sum(per_token_kv[target.num_layers:])  # a read per pass
+    kind = spec_kind(model)
+    if kind.startswith("eagle3"):
         draft = model.worker.draft_model
         fc = _param_bytes(draft.fc)
         shared = (draft.embed_tokens,) if draft.embed_tokens is embed else ()
         per_pass = _param_bytes(draft, skip=(draft.fc, draft.embed_tokens, *shared))
-        passes = k * per_pass if k else _param_bytes(draft.midlayer)
-        total += fc + passes + max(k, 1) * batch * context_len * sum(per_token_kv[target.num_layers:])
-    return total
+        total += fc + (k * per_pass if k else _param_bytes(draft.midlayer)) + draft_kv
+    elif kind == "draft_target":  # k passes (the catch-up pass and k - 1 one-token ones), each reads every layer
+        draft = model.worker.draft_model
+        layers = _param_bytes(draft.decoder, skip=(draft.decoder.embed_tokens,))
+        total += max(k, 1) * layers + k * _param_bytes(draft.lm_head) + draft_kv
+    return total  # SA reads no draft weights (its match arrays, a few bytes per position, are not counted)
+
+
+def spec_kind(model: SpecModel) -> str:
+    """What drafts a model's steps: "none", "eagle3", "mtp", "draft_target" or "sa" (+ "+sa" for a head with the
+    suffix-automaton enhancer)."""
+    mode = model.runner.model.mode
+    kind = ("none" if mode.is_none() else "eagle3" if mode.is_eagle3_one_model() else "mtp" if mode.is_mtp_one_model()
+            else "draft_target" if mode.is_draft_target_one_model() else "sa")
+    return kind + "+sa" if model.worker.sa_enhancer is not None else kind
 
 
 def force_acceptance(model: SpecModel, forced: float | None) -> None:
@@ -109,7 +123,7 @@ def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, fo
     bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2, draft_len)
     roofline_tps = batch * per_step * bandwidth / bytes_per_step
     tps = stats["mean_decode_batch"] * per_step / step_s
-    return Point("eagle3" if model.max_draft_len else "none", batch, draft_len, forced, stats["step_ms"],
+    return Point(spec_kind(model), batch, draft_len, forced, stats["step_ms"],
                  stats["host_ms_per_step"], per_step, tps, bytes_per_step, roofline_tps, tps / roofline_tps,
                  torch.cuda.max_memory_allocated(model.device) / 2**30)
 
@@ -225,7 +239,7 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
         group = next((g for g, keys in _KERNEL_GROUPS if any(k.lower() in evt.key.lower() for k in keys)),
                      "elementwise / other")
         groups[group] = groups.get(group, 0.0) + us / steps
-    return {"mode": "eagle3" if model.max_draft_len else "none", "batch": batch, "forced_drafts": forced,
+    return {"mode": spec_kind(model), "batch": batch, "forced_drafts": forced,
             "kernel_us_per_step": {g: round(v, 1) for g, v in sorted(groups.items(), key=lambda x: -x[1])},
             "total_kernel_us_per_step": round(sum(groups.values()), 1), "kernels_per_step": kernels / steps,
             "top_kernels": [{"us_per_step": round(us, 1), "calls_per_step": n, "name": name}

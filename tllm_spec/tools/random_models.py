@@ -85,13 +85,14 @@ def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = 
 
 def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
                       device: str, seed: int = 0, spec_fields: dict | None = None, marks: dict | None = None,
-                      **engine_kwargs):
+                      draft_shape: str = "llama-3.2-1b", **engine_kwargs):
     """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
-    "eagle3" (a random head written to ``workdir`` and loaded through the real loader) or "none". With
+    "eagle3" (a random head written to ``workdir`` and loaded through the real loader), "draft_target" (a random
+    draft LM of ``draft_shape`` with the target's vocabulary, likewise), "sa" or "none". With
     ``tensor_parallel_size=N`` in ``engine_kwargs`` (under torchrun) each rank draws only its shards.
-    ``spec_fields``: more Eagle3Config fields (a draft tree). ``marks``: gets the wall time (time.time()) at which
-    the target and the draft checkpoint were ready (start-up's build phases)."""
-    from ..config import Eagle3Config
+    ``spec_fields``: more fields of the spec config (a draft tree, use_sa_spec). ``marks``: gets the wall time
+    (time.time()) at which the target and the draft checkpoint were ready (start-up's build phases)."""
+    from ..config import DraftTargetConfig, Eagle3Config, SAConfig
     from ..distributed.parallel import TensorParallel, local_process_device
     from ..model.target import TargetModel
     from ..sampling import flashinfer_ops
@@ -112,8 +113,16 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
                                 dtype=dtype)
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len, **(spec_fields or {}))
         marks["draft_checkpoint"] = time.time()
+    elif spec == "draft_target":
+        draft_config = AutoConfig.for_model("llama", **{**SHAPES[draft_shape], "vocab_size": config.vocab_size})
+        draft = save_random_target(Path(workdir) / f"{draft_shape}-draft", draft_config, seed + 1, dtype, str(device))
+        spec_config = DraftTargetConfig(speculative_model=str(draft), max_draft_len=max_draft_len,
+                                        **(spec_fields or {}))
+        marks["draft_checkpoint"] = time.time()
+    elif spec == "sa":
+        spec_config = SAConfig(max_draft_len=max_draft_len, **(spec_fields or {}))
     elif spec != "none":
-        raise ValueError(f"spec must be 'eagle3' or 'none', got {spec!r}")
+        raise ValueError(f"spec must be 'eagle3', 'draft_target', 'sa' or 'none', got {spec!r}")
     return SpecModel.from_target(target, spec_config, **engine_kwargs)
 
 
