@@ -2,10 +2,16 @@ r"""Generate with one-model speculative decoding; no arguments runs the embedded
 
 A speculative run is followed by plain decoding of the same prompts on the same engine settings, and the two
 speeds, the speedup and the acceptance are printed (--no-baseline skips the plain run). --target alone decodes
-that target plainly; --draft (EAGLE-3) or --mtp gives it a draft.
+that target plainly; --draft (EAGLE-3), --mtp, --draft-model (a small LM of its vocabulary) or --sa (drafts copied
+from the text so far) gives it a draft; --sa-spec lets an EAGLE-3 head or MTP take the automaton's drafts where
+the text repeats. --workload picks the embedded demo's held-out prompts: first-line (continue a file's opening) or
+edit (quote a function and ask for it back with a change: most of the answer repeats the prompt).
 
     python scripts/generate.py
     python scripts/generate.py --mtp
+    python scripts/generate.py --draft-model demo://draft
+    python scripts/generate.py --sa --workload edit
+    python scripts/generate.py --sa-spec --workload edit      # the demo's EAGLE-3 head, SA where text repeats
     python scripts/generate.py --config configs/demo_eagle3.yaml --prompt "def main():"
     python scripts/generate.py --target /models/llama --draft /models/eagle3 -k 3 --temperature 0.7 \
         --prompt-file prompts.txt --batch-size 8
@@ -42,7 +48,7 @@ DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, va
 DEFAULT_MAX_DRAFT_LEN = 3  # --mtp's K when neither -k nor the run file gives one (the demo's)
 # run-file fields that a flag sets: a validation error on one is reported under the flag's name
 FLAGS = {"target_model": "--target", "spec_config.speculative_model": "--draft",
-         "spec_config.max_draft_len": "-k/--max-draft-len", "sampling.max_new_tokens": "--max-new-tokens",
+         "spec_config.max_draft_len": "-k/--max-draft-len", "spec_config.sa_spec_threshold": "--sa-spec-threshold", "sampling.max_new_tokens": "--max-new-tokens",
          "sampling.temperature": "--temperature", "sampling.top_k": "--top-k", "sampling.top_p": "--top-p",
          "engine.max_batch_size": "--batch-size", "engine.tensor_parallel_size": "--tensor-parallel-size",
          "dtype": "--dtype", "device": "--device"}
@@ -81,6 +87,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", help="EAGLE-3 head directory")
     p.add_argument("--mtp", action="store_true", help="MTP (MTP-Eagle) instead of EAGLE-3: modules from the target "
                    "checkpoint (the demo target: its module demo://mtp)")
+    p.add_argument("--draft-model", help="a draft LM: a causal LM directory of the target's vocabulary (the demo "
+                   "target's: demo://draft)")
+    p.add_argument("--sa", action="store_true", help="suffix-automaton drafting: drafts copied from the prompt and "
+                   "output so far (no draft model; K default 8)")
+    p.add_argument("--sa-spec", action="store_true", help="on top of the EAGLE-3 head or MTP: drafts from the "
+                   "suffix automaton where the text's suffix repeats at least --sa-spec-threshold tokens")
+    p.add_argument("--sa-spec-threshold", type=int, help="suffix-match length from which --sa-spec takes the "
+                   "automaton's drafts (default 4)")
+    p.add_argument("--workload", choices=["first-line", "edit"], help="prompts from the embedded demo's held-out "
+                   "files (default: three fixed openings)")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts --workload takes")
     p.add_argument("--no-spec", action="store_true", help="plain decoding through the same engine")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run after a speculative one")
     p.add_argument("-k", "--max-draft-len", type=int, help="drafts per step")
@@ -117,11 +134,14 @@ def base_config(args: argparse.Namespace) -> dict:
     return cfg
 
 
+DRAFTERS = {"--draft": "draft", "--mtp": "mtp", "--draft-model": "draft_model", "--sa": "sa"}
+
+
 def spec_from_flags(spec: dict | None, args: argparse.Namespace) -> dict | None:
-    """The run file's spec_config with --no-spec, --draft, --mtp and -k applied."""
-    if args.mtp and args.draft:
-        fail("--mtp", "cannot be combined with --draft (MTP drafts with the target's own modules, --draft loads an "
-             "EAGLE-3 head): give one")
+    """The run file's spec_config with --no-spec, --draft, --mtp, --draft-model, --sa, --sa-spec and -k applied."""
+    given = [flag for flag, name in DRAFTERS.items() if getattr(args, name)]
+    if len(given) > 1:
+        fail(given[0], f"cannot be combined with {given[1]}: each picks the drafter, give one")
     if args.no_spec:
         return None
     if args.draft:
@@ -129,12 +149,30 @@ def spec_from_flags(spec: dict | None, args: argparse.Namespace) -> dict | None:
         spec = {**kept, "decoding_type": "eagle3", "speculative_model": args.draft}
     elif args.mtp and (spec or {}).get("decoding_type") != "mtp":  # MTP-Eagle with as many drafts as the file's
         spec = {"decoding_type": "mtp", "max_draft_len": (spec or {}).get("max_draft_len") or DEFAULT_MAX_DRAFT_LEN}
+    elif args.draft_model:
+        spec = {"decoding_type": "draft_target", "speculative_model": args.draft_model}
+    elif args.sa:
+        spec = {"decoding_type": "sa"}
+    spec = with_sa_spec(spec, args)
     if args.max_draft_len is not None:
         if spec is None:
             fail("-k/--max-draft-len", "plain decoding drafts nothing: add --draft, --mtp or a --config with a "
                  "spec_config")
         spec = {**spec, "max_draft_len": args.max_draft_len}
     return spec
+
+
+def with_sa_spec(spec: dict | None, args: argparse.Namespace) -> dict | None:
+    """--sa-spec (and its threshold) on the EAGLE-3 or MTP spec."""
+    if not args.sa_spec and args.sa_spec_threshold is None:
+        return spec
+    if spec is None or spec["decoding_type"] not in ("eagle3", "mtp"):
+        fail("--sa-spec", "enhances an EAGLE-3 head or MTP modules (--draft, --mtp, or a --config with one); "
+             "--sa alone drafts from the automaton only")
+    fields = {"use_sa_spec": True}
+    if args.sa_spec_threshold is not None:
+        fields["sa_spec_threshold"] = args.sa_spec_threshold
+    return {**spec, **fields}
 
 
 def apply_flags(cfg: dict, args: argparse.Namespace) -> None:
@@ -161,7 +199,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def describe_problem(error: dict) -> str:
     """``--flag: message (got value)`` for a field a flag sets, else ``field.path: message``."""
-    field = ".".join(str(p) for p in error["loc"] if p not in ("eagle3", "mtp"))  # drop the union's tag
+    field = ".".join(str(p) for p in error["loc"] if p not in ("eagle3", "mtp", "draft_target", "sa"))  # union tag
     message = error["msg"].removeprefix("Value error, ")
     if field in FLAGS:
         return f"{FLAGS[field]}: {message} (got {error['input']!r})"
@@ -179,6 +217,10 @@ def read_prompt_file(path: str) -> list[str]:
 
 def read_prompts(args: argparse.Namespace) -> list[Prompt]:
     prompts = args.prompts + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
+    if args.workload:
+        from tllm_spec.tools.workloads import edit_prompts, first_line_prompts
+
+        prompts += (edit_prompts if args.workload == "edit" else first_line_prompts)(args.num_prompts)
     return prompts or list(DEMO_PROMPTS)
 
 
@@ -200,7 +242,7 @@ def culprit(err: BaseException, args: argparse.Namespace) -> str:
     (tllm_spec.drafts), the tensor-parallel setup (tllm_spec.distributed), else the target's."""
     modules = {frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(err.__traceback__)}
     if any(name.startswith("tllm_spec.drafts.") for name in modules):
-        return "--draft" if args.draft else "--mtp" if args.mtp else "spec_config"
+        return next((flag for flag, name in DRAFTERS.items() if getattr(args, name)), "spec_config")
     if any(name.startswith("tllm_spec.distributed.") for name in modules):
         return "--tensor-parallel-size"
     return "--target" if args.target else "target_model"

@@ -162,6 +162,20 @@ def test_every_request_rejected_exits_1_with_each_reason_on_stderr(generate_scri
     assert data["outputs"][0]["finish_reason"] == "rejected" != data["outputs"][1]["finish_reason"]  # --prompt
 
 
+def test_sa_and_a_draft_lm_are_lossless(generate_script, tiny_target, tmp_path):
+    for flags in (["--sa"], ["--draft-model", str(tiny_target)], ["--mtp", "--sa-spec", "--sa-spec-threshold", "2"]):
+        data = run_cli(generate_script, tmp_path, "--target", str(tiny_target), *flags, "-k", "2")
+        assert data["identical_to_baseline"], flags
+        assert data["config"]["spec_config"]["max_draft_len"] == 2
+        assert data["config"]["spec_config"].get("use_sa_spec", "--sa-spec" in flags) == ("--sa-spec" in flags)
+
+
+def test_the_edit_workload_quotes_functions_for_sa(generate_script, tmp_path):
+    data = run_cli(generate_script, tmp_path, "--sa", "--workload", "edit", "--num-prompts", "2", prompt=None)
+    assert len(data["outputs"]) == 2 and all("def " in o["prompt"] for o in data["outputs"])
+    assert data["config"]["spec_config"]["decoding_type"] == "sa" and data["identical_to_baseline"]
+
+
 def test_mtp_with_draft_is_refused(generate_script, tiny_target, capsys):
     err = cli_error(generate_script, capsys, "--target", str(tiny_target), "--mtp", "--draft",
                     str(tiny_target.parent / "head"))
@@ -181,6 +195,9 @@ def test_mtp_with_draft_is_refused(generate_script, tiny_target, capsys):
     (["--target", "{bare}", "--mtp"], "--mtp: "),  # a target without MTP modules
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size: "),  # not launched with torchrun
     (["--config", "{tmp}/missing.yaml"], "--config: "),
+    (["--sa", "--draft-model", "x"], "--draft-model: "),
+    (["--sa", "--sa-spec"], "--sa-spec: "),
+    (["--draft-model", "{tmp}/missing"], "--draft-model: "),
     (["--config", "{tmp}/bad.yaml"], "--config: "),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: "),
 ])

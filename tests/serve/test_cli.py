@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from tllm_spec import Eagle3Config, MTPConfig
+from tllm_spec import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
 from tllm_spec.demo import ASSETS as DEMO_DIR
 from tllm_spec.serve.cli import build_parser, checked_configs, load_model, main, spec_config_of
 
@@ -31,6 +31,17 @@ def test_another_target_decodes_plainly_unless_given_a_draft():
     assert _spec("/models/llama", "--mtp") == MTPConfig(max_draft_len=3)
 
 
+def test_a_draft_lm_suffix_drafting_and_sa_on_a_head():
+    assert _spec("--draft-model", "demo://draft") == DraftTargetConfig(speculative_model="demo://draft")
+    assert _spec("/models/llama", "--sa") == SAConfig()
+    assert _spec("/models/llama", "--sa", "-k", "4") == SAConfig(max_draft_len=4)
+    assert _spec("--sa-spec") == Eagle3Config(speculative_model="demo://eagle3", use_sa_spec=True)
+    assert _spec("--mtp", "--sa-spec", "--spec-config", '{"sa_spec_threshold": 2}') == MTPConfig(
+        max_draft_len=3, mtp_checkpoint="demo://mtp", use_sa_spec=True, sa_spec_threshold=2)
+    with pytest.raises(ValueError, match="--sa-spec: it enhances an EAGLE-3 head or MTP"):
+        _spec("--sa", "--sa-spec")
+
+
 def test_spec_config_adds_draft_fields_such_as_a_tree():
     tree = '{"use_dynamic_tree": true, "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 25, "max_draft_len": 8}'
     assert _spec("--spec-config", tree) == Eagle3Config(
@@ -43,6 +54,7 @@ def test_spec_config_adds_draft_fields_such_as_a_tree():
 
 
 @pytest.mark.parametrize("argv", [["serve", "--mtp", "--draft", "x"], ["serve", "--no-spec", "--mtp"], [],
+                                  ["serve", "--sa", "--draft-model", "x"], ["serve", "--sa", "--sa-spec"],
                                   ["serve", "--port", "http"], ["serve", "--spec-config", "[1]"],
                                   ["serve", "--spec-config", "{use_dynamic_tree: 1}"],
                                   ["serve", "--spec-config", '{"max_draft_len": 0}', "--device", "cpu"],

@@ -4,10 +4,13 @@
     tllm-spec serve --mtp                             # the demo target with its MTP module
     tllm-spec serve /models/llama --draft /models/eagle3 -k 3 --api-key KEY --port 8000
     tllm-spec serve /models/llama                     # a target alone: plain decoding
+    tllm-spec serve --draft-model demo://draft        # the demo target with its draft LM
+    tllm-spec serve /models/llama --sa -k 8           # drafts copied from each request's own text
+    tllm-spec serve --sa-spec                         # the demo's EAGLE-3 head, SA where the text repeats
     tllm-spec serve --spec-config '{"use_dynamic_tree": true, "dynamic_tree_max_topK": 3,
                                     "max_total_draft_tokens": 25, "max_draft_len": 8}'   # a draft tree
 
-A TARGET without --draft or --mtp decodes plainly (the demo's EAGLE-3 head only fits the demo target). Usage and
+A TARGET without --draft, --mtp, --draft-model or --sa decodes plainly (the demo's EAGLE-3 head only fits the demo target). Usage and
 configuration errors are one line on stderr ("tllm-spec: error: --flag: ...") and exit status 2; the flags, the
 device, the address and --max-seq-len against the target's positions are checked before the model loads.
 
@@ -32,7 +35,16 @@ from typing import TYPE_CHECKING, NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from ..config import DEMO_MTP, DEMO_TARGET, Eagle3Config, EngineConfig, MTPConfig
+from ..config import (
+    DEMO_MTP,
+    DEMO_TARGET,
+    DraftTargetConfig,
+    Eagle3Config,
+    EngineConfig,
+    MTPConfig,
+    SAConfig,
+    SpecConfig,
+)
 
 if TYPE_CHECKING:
     from ..spec_model import SpecModel
@@ -46,7 +58,7 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError)
 ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
                 "max_num_batched_tokens": "--max-num-batched-tokens",
                 "scheduler_delay_factor": "--scheduler-delay-factor"}
-SPEC_FLAGS = {"max_draft_len": "-k/--max-draft-len", "speculative_model": "--draft"}  # fields --spec-config may set
+SPEC_FLAGS = {"max_draft_len": "-k/--max-draft-len", "speculative_model": "--draft/--draft-model"}  # fields --spec-config may set
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,7 +90,13 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     draft = p.add_mutually_exclusive_group()
     draft.add_argument("--draft", help="EAGLE-3 head directory")
     draft.add_argument("--mtp", action="store_true", help="MTP modules (the target's own; the demo's ships beside it)")
+    draft.add_argument("--draft-model", help="a draft LM: a causal LM directory of the target's vocabulary (the "
+                       "demo's: demo://draft)")
+    draft.add_argument("--sa", action="store_true", help="drafts copied from each request's prompt and output "
+                       "(suffix automaton; K default 8)")
     draft.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
+    p.add_argument("--sa-spec", action="store_true", help="the EAGLE-3 head or MTP takes the suffix automaton's "
+                   "drafts where a request's text repeats (use_sa_spec; sa_spec_threshold through --spec-config)")
     p.add_argument("-k", "--max-draft-len", type=int, help="drafts proposed per step (default 3; needs a draft)")
     p.add_argument("--spec-config", type=_json_object, default={}, metavar="JSON",
                    help="more fields of the draft's config (Eagle3Config / MTPConfig, TensorRT-LLM's names) as a "
@@ -109,16 +127,26 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=serve)
 
 
-def spec_config_of(args: argparse.Namespace) -> Eagle3Config | MTPConfig | None:
-    """The draft the flags ask for: on the demo target its EAGLE-3 head unless --mtp or --no-spec; on another
-    target none unless --draft or --mtp."""
+def spec_config_of(args: argparse.Namespace) -> SpecConfig | None:
+    """The draft the flags ask for: on the demo target its EAGLE-3 head unless --mtp, --draft-model, --sa or
+    --no-spec; on another target none unless one of --draft, --mtp, --draft-model or --sa."""
     demo = args.target in (None, DEMO_TARGET)
-    fields = {"max_draft_len": 3 if args.max_draft_len is None else args.max_draft_len, **args.spec_config}
-    if args.no_spec or not (args.mtp or args.draft or demo):  # --spec-config's fields win over -k's
-        for flag, given in (("--spec-config", args.spec_config), ("-k/--max-draft-len", args.max_draft_len)):
+    k = {} if args.max_draft_len is None else {"max_draft_len": args.max_draft_len}
+    fields = {"max_draft_len": 3, **k, **args.spec_config}  # --spec-config's fields win over -k's
+    if args.no_spec or not (args.mtp or args.draft or args.draft_model or args.sa or demo):
+        for flag, given in (("--spec-config", args.spec_config), ("-k/--max-draft-len", args.max_draft_len),
+                            ("--sa-spec", args.sa_spec or None)):
             if given not in (None, {}):
                 raise ValueError(f"{flag}: it configures a draft, and this run has none (give --draft or --mtp)")
         return None
+    if args.sa_spec and (args.draft_model or args.sa):
+        raise ValueError("--sa-spec: it enhances an EAGLE-3 head or MTP modules; --sa alone drafts from the "
+                         "automaton, a draft LM takes no enhancer")
+    if args.draft_model:
+        return DraftTargetConfig(**{"speculative_model": args.draft_model, **fields})
+    if args.sa:
+        return SAConfig(**{**k, **args.spec_config})
+    fields = {**fields, "use_sa_spec": True} if args.sa_spec else fields
     if args.mtp:
         return MTPConfig(**{"mtp_checkpoint": DEMO_MTP if demo else None, **fields})
     return Eagle3Config(**{"speculative_model": args.draft or DEMO_EAGLE3, **fields})
@@ -164,7 +192,7 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def load_model(args: argparse.Namespace, spec_config: Eagle3Config | MTPConfig | None,
+def load_model(args: argparse.Namespace, spec_config: SpecConfig | None,
                engine_config: EngineConfig) -> SpecModel:
     """The model the flags ask for (their configs from :func:`checked_configs`); a checkpoint that does not load is
     one line blaming --draft, --mtp or --target."""
@@ -177,7 +205,7 @@ def load_model(args: argparse.Namespace, spec_config: Eagle3Config | MTPConfig |
         fail(load_error(err, args))
 
 
-def checked_configs(args: argparse.Namespace) -> tuple[Eagle3Config | MTPConfig | None, EngineConfig]:
+def checked_configs(args: argparse.Namespace) -> tuple[SpecConfig | None, EngineConfig]:
     """The draft's and the engine's configs, the device and --max-seq-len against the target's positions, checked
     before anything loads: a mistake is one line naming its flag."""
     check_device(args.device)
@@ -263,7 +291,9 @@ def load_error(err: BaseException, args: argparse.Namespace) -> str:
     if "tllm_spec.drafts.eagle3.checkpoint" in modules and isinstance(err, ValueError):
         return f"--draft: {args.draft or DEMO_EAGLE3} is not an EAGLE-3 head this target can use: {err}"
     if any(name.startswith("tllm_spec.drafts.") for name in modules):
-        return f"{'--mtp' if args.mtp else '--draft'}: {err}"
+        flag = next(f for f, given in (("--mtp", args.mtp), ("--draft-model", args.draft_model), ("--sa", args.sa),
+                                       ("--draft", True)) if given)
+        return f"{flag}: {err}"
     return f"--target: {err}"
 
 

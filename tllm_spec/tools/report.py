@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import Eagle3Config
+from ..config import DraftTargetConfig, Eagle3Config, SAConfig
 from ..engine.request import GenerationOutputs
 
 if TYPE_CHECKING:
@@ -38,14 +38,20 @@ def format_stats(stats: dict[str, object]) -> str:
 
 
 def describe(spec_config: SpecConfig | None) -> str:
-    """``"EAGLE-3, K=3"``, ``"MTP-Eagle, K=3"``, ``"MTP (3 modules)"`` or ``"plain"``."""
+    """``"EAGLE-3, K=3"``, ``"MTP-Eagle, K=3"``, ``"MTP (3 modules)"``, ``"draft LM, K=3"``, ``"SA, K=8"`` (``+SA``
+    for a head with use_sa_spec) or ``"plain"``."""
     if spec_config is None:
         return "plain"
+    if isinstance(spec_config, DraftTargetConfig):
+        return f"draft LM, K={spec_config.max_draft_len}"
+    if isinstance(spec_config, SAConfig):
+        return f"SA, K={spec_config.max_draft_len}"
+    sa = "+SA" if spec_config.use_sa_spec else ""
     if isinstance(spec_config, Eagle3Config):
-        return f"EAGLE-3, K={spec_config.max_draft_len}"
+        return f"EAGLE-3{sa}, K={spec_config.max_draft_len}"
     if spec_config.use_mtp_vanilla:
-        return f"MTP ({spec_config.num_nextn_predict_layers} modules)"
-    return f"MTP-Eagle, K={spec_config.num_draft_tokens}"
+        return f"MTP{sa} ({spec_config.num_nextn_predict_layers} modules)"
+    return f"MTP-Eagle{sa}, K={spec_config.num_draft_tokens}"
 
 
 def format_comparison(comparison: Comparison, cfg: RunConfig) -> str:
