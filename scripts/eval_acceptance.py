@@ -1,12 +1,16 @@
-r"""Acceptance of the draft heads on held-out prompts (T = 0 and T = 1) and tokens/s with vs without speculation.
+r"""Acceptance of every speculative method (the EAGLE-3 and MTP heads, the draft LM, suffix drafting, each head with
+suffix drafting on top) on two workloads (first lines of held-out files; editing a quoted function), at T = 0 and
+T = 1, and tokens/s with vs without speculation.
 
-    python scripts/eval_acceptance.py                         # the shipped demo pair, both heads, CPU
+    python scripts/eval_acceptance.py                         # the shipped demo models, every method, CPU
     python scripts/eval_acceptance.py --tree                  # ... and the EAGLE-3 head drafting the default tree
     python scripts/eval_acceptance.py --tree --dynamic-tree 3 25 8   # ... and growing a dynamic tree
+    python scripts/eval_acceptance.py --workloads edit --draft-model none --sa-k 4 --sa-spec-threshold 0
     python scripts/eval_acceptance.py --target /models/llama --eagle3 /heads/e3 --mtp none \
         --prompts-from heldout.json --device cuda --out runs/eval
 
-Writes OUT/acceptance.json, OUT/acceptance.md (a table) and OUT/acceptance.png (if matplotlib is installed).
+Writes OUT/acceptance.json (the first-line workload at its top level, every workload under "workloads"),
+OUT/acceptance.md (a summary table, then one table per workload) and OUT/acceptance.png (if matplotlib is installed).
 """
 from __future__ import annotations
 
@@ -19,14 +23,18 @@ import torch
 from tllm_spec.demo import resolve
 from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.tokenizer import load_tokenizer
-from tllm_spec.tools.acceptance_eval import (
-    evaluate,
-    format_table,
-    head_configs,
-    heldout_texts,
+from tllm_spec.tools.acceptance_eval import head_configs, heldout_texts
+from tllm_spec.tools.eval_workloads import (
+    WORKLOADS,
+    evaluate_workloads,
+    format_report,
     plot,
-    prompt_ids,
+    workload_prompts,
 )
+
+
+def _given(path: str) -> str | None:
+    return None if path == "none" else path
 
 
 def main() -> None:
@@ -35,11 +43,18 @@ def main() -> None:
     p.add_argument("--eagle3", default="demo://eagle3", help="EAGLE-3 head directory, or 'none'")
     p.add_argument("--mtp", default="demo://mtp", help="MTP weights directory, 'target' (inside the target "
                    "checkpoint) or 'none'")
-    p.add_argument("--prompts-from", help="held-out JSON ({'prompts': [{'text': ...}]}); default: the demo's")
+    p.add_argument("--draft-model", default="demo://draft", help="draft LM directory (draft_target), or 'none'")
+    p.add_argument("--sa-k", type=int, default=8, help="K of suffix drafting (sa); 0 skips it")
+    p.add_argument("--sa-spec-threshold", type=int, default=4, help="suffix-match length from which each head "
+                   "takes the automaton's drafts (eagle3+sa, mtp+sa); 0 skips them")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--prompts-from", help="held-out JSON ({'prompts': [{'text': ...}]}) of the first-line "
+                   "workload; default: the demo's")
+    p.add_argument("--edit-max-chars", type=int, default=1000, help="longest edit prompt, in characters")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("-k", "--max-draft-len", type=int, default=3)
+    p.add_argument("-k", "--max-draft-len", type=int, default=3, help="K of the heads and the draft LM")
     p.add_argument("--tree", nargs="?", const="default", help="also the EAGLE-3 head drafting a static tree "
                    "(eagle3-tree): 'default' (the batch-1 default tree) or eagle_choices as JSON")
     p.add_argument("--dynamic-tree", type=int, nargs=3, metavar=("TOPK", "DRAFTS", "DEPTH"),
@@ -56,18 +71,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = None if args.tree is None else DEFAULT_EAGLE_CHOICES if args.tree == "default" else json.loads(args.tree)
-    heads = head_configs(None if args.eagle3 == "none" else args.eagle3, None if args.mtp == "none" else args.mtp,
-                         args.max_draft_len, tree, args.dynamic_tree)
-    texts = heldout_texts(args.prompts_from)
-    prompts = prompt_ids(load_tokenizer(resolve(args.target)), texts, args.num_prompts, args.prompt_tokens)
-    result = evaluate(args.target, heads, prompts, args.max_new_tokens, tuple(args.temperatures), args.device,
-                      args.dtype, args.speed_prompts, args.repeats)
+    heads = head_configs(_given(args.eagle3), _given(args.mtp), args.max_draft_len, tree, args.dynamic_tree,
+                         _given(args.draft_model), args.sa_k, args.sa_spec_threshold)
+    texts = heldout_texts(args.prompts_from) if "first-line" in args.workloads else []
+    prompts = workload_prompts(args.workloads, load_tokenizer(resolve(args.target)), texts, args.num_prompts,
+                               args.prompt_tokens, args.edit_max_chars)
+    result = evaluate_workloads(args.target, heads, prompts, args.max_new_tokens,
+                                temperatures=tuple(args.temperatures), device=args.device, dtype=args.dtype,
+                                speed_prompts=args.speed_prompts, repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(result, indent=2))
-    table = format_table(result)
-    (out / "acceptance.md").write_text(table + "\n")
-    print(table)
+    report = format_report(result)
+    (out / "acceptance.md").write_text(report + "\n")
+    print(report)
     if plot(result, out / "acceptance.png"):
         print(f"plot: {out / 'acceptance.png'}")
     print(f"json: {out / 'acceptance.json'}")

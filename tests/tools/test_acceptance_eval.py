@@ -1,4 +1,5 @@
-"""Acceptance evaluation on the tiny trained pair: statistics per head and temperature, speed, table, plot, CLI."""
+"""Acceptance evaluation on the tiny trained pair: the methods evaluated, statistics per head and temperature, speed,
+table, CLI."""
 import importlib.util
 import json
 import sys
@@ -7,8 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tllm_spec.config import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
 from tllm_spec.tokenizer import load_tokenizer
-from tllm_spec.tools.acceptance_eval import evaluate, format_table, head_configs, plot, prompt_ids, ratio_standard_error
+from tllm_spec.tools.acceptance_eval import (
+    evaluate,
+    format_table,
+    head_configs,
+    prompt_ids,
+    ratio_standard_error,
+)
 
 from ..training.helpers import corpus, tiny_target, trained
 
@@ -43,7 +51,21 @@ def test_standard_error_of_the_mean_accepted_length():
     assert abs(ratio_standard_error(per_prompt) - boot.std().item()) < 0.15 * boot.std().item()
 
 
-def test_evaluate_reports_every_head_and_temperature(tmp_path):
+def test_every_method_is_named_with_its_config():
+    heads = head_configs("e3", "target", 3, draft="d", sa_k=8, sa_spec_threshold=5)
+    assert list(heads) == ["eagle3", "mtp", "draft_target", "sa", "eagle3+sa", "mtp+sa"]
+    assert heads["draft_target"] == DraftTargetConfig(speculative_model="d", max_draft_len=3,
+                                                      use_rejection_sampling=True)
+    assert heads["sa"] == SAConfig(max_draft_len=8)
+    assert heads["eagle3+sa"] == Eagle3Config(speculative_model="e3", max_draft_len=3, use_rejection_sampling=True,
+                                              use_sa_spec=True, sa_spec_threshold=5)
+    assert heads["mtp+sa"] == MTPConfig(max_draft_len=3, use_rejection_sampling=True, use_sa_spec=True,
+                                        sa_spec_threshold=5)
+    assert list(head_configs("e3", None, 3)) == ["eagle3"]  # the new methods only when asked
+    assert list(head_configs(None, None, 3, sa_k=4, sa_spec_threshold=4)) == ["sa"]
+
+
+def test_evaluate_reports_every_head_and_temperature():
     heads = head_configs(str(trained("eagle3").out), str(trained("mtp").out), k=3)
     prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40, 41, 42, 3, 4]]
     result = evaluate(str(tiny_target()), heads, prompts, max_new_tokens=10, speed_prompts=1, repeats=1,
@@ -54,15 +76,12 @@ def test_evaluate_reports_every_head_and_temperature(tmp_path):
             assert stats["num_tokens"] == 20 and sum(stats["histogram"]) == stats["steps"]
             assert 1.0 <= stats["mean_accepted_length"] <= 4.0 and len(stats["acceptance_rate_per_position"]) == 3
             assert stats["mean_accepted_length_se"] >= 0
+        assert result["heads"][name]["T=0"]["prompts_matching_plain"] == 2  # greedy speculation is lossless
         assert result["speed"][name]["speedup"] > 0
     assert result["speed"]["plain"]["tokens_per_s"] > 0
     table = format_table(result)
     assert table.count("\n") == 6 and "| eagle3 | 0 |" in table and "| mtp | 1 |" in table
-    path = plot(result, tmp_path / "a.png")
-    if importlib.util.find_spec("matplotlib"):
-        assert path.is_file() and path.stat().st_size > 1000
-    else:
-        assert path is None
+    assert table.split("\n")[3].endswith("| 2/2 |") and table.split("\n")[4].endswith("| - |")
 
 
 def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
@@ -72,9 +91,17 @@ def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
     out = tmp_path / "eval"
     monkeypatch.setattr(sys, "argv", [
         "eval_acceptance.py", "--target", str(tiny_target()), "--eagle3", str(trained("eagle3").out), "--mtp", "none",
+        "--draft-model", str(tiny_target()), "--sa-k", "4", "--sa-spec-threshold", "2", "--edit-max-chars", "400",
         "--prompts-from", str(heldout_json(tmp_path / "heldout.json")), "--num-prompts", "2", "--prompt-tokens", "16",
         "--max-new-tokens", "6", "--speed-prompts", "1", "--repeats", "1", "--temperatures", "0", "--out", str(out)])
     script.main()
     result = json.loads((out / "acceptance.json").read_text())
-    assert set(result["heads"]) == {"eagle3"} and result["num_prompts"] == 2 and result["prompt_tokens"] == 16
-    assert (out / "acceptance.md").read_text().startswith("| head |")
+    assert result["num_prompts"] == 2 and result["prompt_tokens"] == 16  # the first-line workload's, as before
+    assert list(result["heads"]) == ["eagle3", "draft_target", "sa", "eagle3+sa"]
+    assert list(result["workloads"]) == ["first-line", "edit"] and result["workloads"]["first-line"] == {
+        key: value for key, value in result.items() if key != "workloads"}
+    edit = result["workloads"]["edit"]
+    assert list(edit["heads"]) == list(result["heads"]) and edit["prompt_tokens"] > 16
+    assert list(edit["speed"]) == ["plain", *result["heads"]]
+    assert (out / "acceptance.md").read_text().startswith("## Summary")
+    assert (out / "acceptance.png").is_file() == bool(importlib.util.find_spec("matplotlib"))

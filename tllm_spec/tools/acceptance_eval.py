@@ -1,10 +1,12 @@
-"""Acceptance evaluation on held-out prompts: for each draft head and temperature, the mean accepted length
-(bonus token included, with its standard error over prompts), the acceptance rate per draft position and the
-histogram of accepted drafts; plus wall-clock tokens/s with and without speculation on the same engine (batch 1,
-T = 0).
+"""Acceptance evaluation on held-out prompts: for each method (a draft head, the draft LM, suffix drafting, a
+head with suffix drafting on top) and temperature, the mean accepted length (bonus token included, with its
+standard error over prompts), the acceptance rate per draft position and the histogram of accepted drafts; plus
+wall-clock tokens/s with and without speculation on the same engine (batch 1, T = 0). Greedy outputs are
+compared with plain decoding's, prompt by prompt (speculation must not change them).
 
 Sampled temperatures are verified by rejection sampling (``use_rejection_sampling=True``: drafts drawn at the
-request's temperature, accepted with probability min(1, p/q)); T = 0 by exact argmax comparison.
+request's temperature, accepted with probability min(1, p/q)); T = 0 by exact argmax comparison. Suffix drafts
+(``SAConfig``) are deterministic, so sampled requests verify them strictly, which is exact.
 
 Prompts are the first ``prompt_tokens`` tokens of held-out files. The demo recipe stores the held-out files'
 opening text in ``assets/demo/heldout.json`` so the prompts do not depend on the local Python's stdlib.
@@ -19,11 +21,18 @@ from pathlib import Path
 import torch
 
 from .. import demo
-from ..config import Eagle3Config, MTPConfig, SamplingParams
+from ..config import (
+    DraftTargetConfig,
+    Eagle3Config,
+    MTPConfig,
+    SAConfig,
+    SamplingParams,
+)
+from ..engine.request import GenerationOutputs
 from ..spec_model import SpecModel
 
 HELDOUT_FILE = "heldout.json"
-SpecConfig = Eagle3Config | MTPConfig | None
+SpecConfig = Eagle3Config | MTPConfig | DraftTargetConfig | SAConfig | None
 
 
 def heldout_texts(path: str | Path | None = None, num_chars: int = 1200) -> list[str]:
@@ -55,12 +64,15 @@ def prompt_ids(tokenizer, texts: list[str], num_prompts: int, prompt_tokens: int
 
 
 def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[int]] | None = None,
-                 dynamic_tree: tuple[int, int, int] | None = None) -> dict[str, SpecConfig]:
+                 dynamic_tree: tuple[int, int, int] | None = None, draft: str | None = None, sa_k: int = 0,
+                 sa_spec_threshold: int = 0) -> dict[str, SpecConfig]:
     """Named speculative configs to evaluate; ``mtp == "target"`` reads MTP weights from the target dir. Sampled
     requests (T > 0) are verified by rejection sampling; greedy ones by exact argmax comparison either way. With
     ``tree`` (eagle_choices) also the EAGLE-3 head drafting that static tree ("eagle3-tree"; sampled requests'
     children drawn without replacement and verified by recursive rejection sampling); with ``dynamic_tree``
-    (top-k, drafts, depth) the head growing a dynamic tree ("eagle3-dynamic-tree")."""
+    (top-k, drafts, depth) the head growing a dynamic tree ("eagle3-dynamic-tree"). ``draft``: a draft LM
+    drafting K ("draft_target"); ``sa_k`` > 0: suffix drafting of that K ("sa"); ``sa_spec_threshold`` > 0:
+    each head with the suffix automaton's drafts where the text repeats ("eagle3+sa", "mtp+sa")."""
     heads: dict[str, SpecConfig] = {}
     if eagle3:
         heads["eagle3"] = Eagle3Config(speculative_model=eagle3, max_draft_len=k, use_rejection_sampling=True)
@@ -75,6 +87,15 @@ def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[in
     if mtp:
         heads["mtp"] = MTPConfig(num_nextn_predict_layers=1, max_draft_len=k, use_rejection_sampling=True,
                                  mtp_checkpoint=None if mtp == "target" else mtp)
+    if draft:
+        heads["draft_target"] = DraftTargetConfig(speculative_model=draft, max_draft_len=k,
+                                                  use_rejection_sampling=True)
+    if sa_k:
+        heads["sa"] = SAConfig(max_draft_len=sa_k)
+    if sa_spec_threshold:
+        enhancer = {"use_sa_spec": True, "sa_spec_threshold": sa_spec_threshold}
+        heads |= {f"{name}+sa": type(heads[name]).model_validate(heads[name].model_dump() | enhancer)
+                  for name in ("eagle3", "mtp") if name in heads}
     return heads
 
 
@@ -86,8 +107,18 @@ def load(target: str, spec: SpecConfig, device: str, dtype: str | None, max_seq_
 def acceptance(model: SpecModel, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                seed: int = 0) -> dict[str, object]:
     """Aggregate acceptance statistics of one generate() over ``prompts``."""
+    return acceptance_stats(generate(model, prompts, max_new_tokens, temperature, seed))
+
+
+def generate(model: SpecModel, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0) -> GenerationOutputs:
+    """Every prompt continued by exactly ``max_new_tokens`` tokens (EOS ignored)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
-    outputs = model.generate(prompts, params, seed=seed)
+    return model.generate(prompts, params, seed=seed)
+
+
+def acceptance_stats(outputs: GenerationOutputs) -> dict[str, object]:
+    """Steps, tokens, mean accepted length (± its standard error over prompts), rate per position, histogram."""
     keys = ("steps", "num_tokens", "mean_accepted_length", "acceptance_rate_per_position", "histogram")
     stats = {key: outputs.stats[key] for key in keys}
     per_prompt = [(sum(o.stats.accepted_per_step), o.stats.num_steps) for o in outputs]
@@ -132,40 +163,48 @@ def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_t
 
 def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]], max_new_tokens: int,
              temperatures: tuple[float, ...] = (0.0, 1.0), device: str = "cpu", dtype: str | None = None,
-             speed_prompts: int = 4, repeats: int = 2, progress: bool = True) -> dict[str, object]:
-    """Acceptance per head and temperature, then the speed comparison; one JSON-ready dict."""
+             speed_prompts: int = 4, repeats: int = 2, progress: bool = True, label: str = "") -> dict[str, object]:
+    """Acceptance per method and temperature, then the speed comparison; one JSON-ready dict. At T = 0 each
+    method's outputs are compared with plain greedy decoding's (``prompts_matching_plain``). ``prompt_tokens``:
+    the prompts' mean length (their common one for equal prompts). The models are closed on return."""
     max_seq_len = max(len(p) for p in prompts) + max_new_tokens + 16
-    models = {name: load(target, spec, device, dtype, max_seq_len) for name, spec in heads.items()}
+    models = {"plain": load(target, None, device, dtype, max_seq_len)}
+    models |= {name: load(target, spec, device, dtype, max_seq_len) for name, spec in heads.items()}
     result: dict[str, object] = {"target": target, "device": device, "num_prompts": len(prompts),
-                                 "prompt_tokens": len(prompts[0]), "max_new_tokens": max_new_tokens,
-                                 "heads": {}, "threads": torch.get_num_threads()}
-    for name, model in models.items():
-        result["heads"][name] = {"config": heads[name].model_dump(mode="json"), "max_draft_len": model.max_draft_len}
+                                 "prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
+                                 "max_new_tokens": max_new_tokens, "heads": {}, "threads": torch.get_num_threads()}
+    plain_ids = [o.token_ids for o in generate(models["plain"], prompts, max_new_tokens)] if 0.0 in temperatures \
+        else None
+    for name, spec in heads.items():
+        result["heads"][name] = {"config": spec.model_dump(mode="json"), "max_draft_len": models[name].max_draft_len}
         for temperature in temperatures:
-            stats = acceptance(model, prompts, max_new_tokens, temperature)
-            result["heads"][name][f"T={temperature:g}"] = stats
+            outputs = generate(models[name], prompts, max_new_tokens, temperature)
+            stats = result["heads"][name][f"T={temperature:g}"] = acceptance_stats(outputs)
+            if temperature == 0.0:
+                stats["prompts_matching_plain"] = sum(o.token_ids == ids for o, ids in zip(outputs, plain_ids))
             if progress:
-                print(f"{name} T={temperature:g}: mean accepted length {stats['mean_accepted_length']:.3f} "
+                print(f"{label}{name} T={temperature:g}: mean accepted length {stats['mean_accepted_length']:.3f} "
                       f"± {stats['mean_accepted_length_se']:.3f} (standard error over prompts), "
                       f"per position {stats['acceptance_rate_per_position']}, histogram {stats['histogram']}",
                       flush=True)
     result["speed"] = {}
     if speed_prompts > 0:  # 0: acceptance only
-        models = {"plain": load(target, None, device, dtype, max_seq_len), **models}
         speed = throughput(models, prompts[:speed_prompts], max_new_tokens, repeats)
         for name in heads:
             speed[name]["speedup"] = round(speed[name]["tokens_per_s"] / speed["plain"]["tokens_per_s"], 3)
         result["speed"] = speed
+    for model in models.values():
+        model.close()
     return result
 
 
 def format_table(result: dict[str, object]) -> str:
-    """A markdown table of the evaluation (for the README / resolution note)."""
-    lines = ["| head | T | mean accepted length (± s.e.) | acceptance per position | histogram | tokens/s (speedup) |",
-             "|---|---|---|---|---|---|"]
+    """A markdown table of one workload's evaluation: a row per method and temperature."""
+    lines = [("| head | T | mean accepted length (± s.e.) | acceptance per position | histogram | tokens/s (speedup) "
+              "| greedy = plain (prompts) |"), "|---|---|---|---|---|---|---|"]
     speed = result["speed"]
     if speed:
-        lines.append(f"| none (plain) | 0 | 1.00 | - | - | {speed['plain']['tokens_per_s']:.1f} |")
+        lines.append(f"| none (plain) | 0 | 1.00 | - | - | {speed['plain']['tokens_per_s']:.1f} | - |")
     for name, head in result["heads"].items():
         for key, stats in head.items():
             if not key.startswith("T="):
@@ -175,40 +214,7 @@ def format_table(result: dict[str, object]) -> str:
             rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
             se = stats.get("mean_accepted_length_se")  # absent from evaluations written before it was added
             length = f"{stats['mean_accepted_length']:.2f}" + (f" ± {se:.2f}" if se is not None else "")
-            lines.append(f"| {name} | {key[2:]} | {length} | {rates} | "
-                         f"{stats['histogram']} | {tps} |")
+            matching = stats.get("prompts_matching_plain")  # T = 0 only, and not in older evaluations
+            lossless = "-" if matching is None else f"{matching}/{result['num_prompts']}"
+            lines.append(f"| {name} | {key[2:]} | {length} | {rates} | {stats['histogram']} | {tps} | {lossless} |")
     return "\n".join(lines)
-
-
-def plot(result: dict[str, object], path: str | Path) -> Path | None:
-    """Acceptance per position, accepted-draft histogram and tokens/s; None (with a message) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: plot skipped (pip install matplotlib)")
-        return None
-    fig, (ax_rate, ax_hist, ax_speed) = plt.subplots(1, 3, figsize=(15, 4))
-    for name, head in result["heads"].items():
-        for key, stats in (kv for kv in head.items() if kv[0].startswith("T=")):
-            label = f"{name} {key}"
-            rates = stats["acceptance_rate_per_position"]
-            ax_rate.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
-            hist = stats["histogram"]
-            ax_hist.plot(range(len(hist)), [h / max(1, sum(hist)) for h in hist], marker="s", label=label)
-    k = max(len(stats["acceptance_rate_per_position"]) for head in result["heads"].values()
-            for key, stats in head.items() if key.startswith("T="))  # deepest accepted path (a tree's depth)
-    ax_rate.set(title="acceptance rate per draft position", xlabel="draft position", ylim=(0, 1),
-                xticks=range(1, k + 1))
-    ax_hist.set(title="accepted drafts per step", xlabel="accepted drafts", ylabel="fraction of steps",
-                xticks=range(k + 1))
-    names = list(result["speed"])
-    ax_speed.bar(names, [result["speed"][n]["tokens_per_s"] for n in names])
-    ax_speed.set(title=f"tokens/s, batch 1, T=0 ({result['device']})")
-    ax_speed.tick_params(axis="x", labelrotation=20)
-    ax_rate.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
