@@ -196,9 +196,11 @@ class SAConfig(FrozenConfig):
     max_matching_ngram_size: int = Field(-1, ge=-1, le=1024, description="-1: the longest suffix match (at least "
                                          "one token); N > 0: a match of exactly the last N tokens (0 is invalid)")
     draft_len_schedule: dict[int, int] | None = Field(None, description=SCHEDULE_DESCRIPTION)
-    enable_global_pool: bool = Field(False, description="also match the outputs of finished requests")
-    global_pool_size: int = Field(1 << 20, ge=1024, description="tokens of finished outputs the global pool keeps "
-                                  "(oldest evicted first)")
+    enable_global_pool: bool = Field(False, description="also draft from the texts (prompt and output) of finished "
+                                     "requests, where their match is longer than the request's own")
+    global_pool_size: int = Field(65536, ge=1024, le=1 << 22, description="tokens of finished requests' texts the "
+                                  "global pool keeps, the oldest evicted first (each running request matches the "
+                                  "whole pool every step: O(K x size) work and 4 bytes x size per batch slot)")
 
     @model_validator(mode="after")
     def _check(self) -> SAConfig:

@@ -100,6 +100,24 @@ def test_bad_settings_are_refused_in_one_line():
         Eagle3Config(speculative_model="x", use_sa_spec=True, sa_spec_threshold=0)
     with pytest.raises(ValidationError, match="use_sa_spec drafts chains"):
         Eagle3Config(speculative_model="x", max_draft_len=2, eagle_choices=[[0], [1], [0, 0]], use_sa_spec=True)
+    with pytest.raises(ValidationError, match="greater than or equal to 1024"):
+        SAConfig(enable_global_pool=True, global_pool_size=10)
+
+
+@pytest.mark.parametrize("pool_size", [1024, 1030])  # 1030: the second text wraps to the pool's start
+def test_the_global_pool_drafts_a_repeated_request_from_the_finished_one(pool_size):
     target, _ = tiny_pair("llama")
-    with pytest.raises(NotImplementedError, match="enable_global_pool"):
-        SpecModel.from_pretrained(target, SAConfig(enable_global_pool=True))
+    model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=4, enable_global_pool=True,
+                                                       global_pool_size=pool_size), max_batch_size=2)
+    prompt, n = [12, 8, 40, 41, 3], 40
+    filler = [[7] * 500 + [9], [1] * 500]  # texts of 500 tokens that push older ones out of a small pool
+    first = model.generate([prompt], SamplingParams(max_new_tokens=n))[0]
+    model.generate(filler[:1], SamplingParams(max_new_tokens=2))  # the pool now holds both texts
+    again = model.generate([prompt], SamplingParams(max_new_tokens=n))[0]
+    assert first.token_ids == again.token_ids == hf_greedy(target, prompt, n)
+    assert again.stats.accepted_per_step[1:-1] == [5] * (len(again.stats.accepted_per_step) - 2)
+    assert again.stats.mean_accepted_length > first.stats.mean_accepted_length
+    model.generate(filler, SamplingParams(max_new_tokens=2))  # 1000 more tokens: the first text is evicted
+    evicted = model.generate([prompt], SamplingParams(max_new_tokens=n))[0]
+    assert evicted.token_ids == first.token_ids
+    assert evicted.stats.mean_accepted_length < again.stats.mean_accepted_length

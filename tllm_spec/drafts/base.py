@@ -109,6 +109,10 @@ class SpecWorkerBase(nn.Module, ABC):
     def compile(self) -> None:
         """torch.compile the draft network's passes for generation-only steps; default none."""
 
+    def request_finished(self, token_ids: list[int]) -> None:
+        """A request ended with ``token_ids`` (prompt and output; host list, between steps); default: nothing
+        (suffix drafting's global pool keeps them)."""
+
     def bind_kv_cache(self, kv_cache: KVCache) -> None:
         """Point the draft's fused layers at ``kv_cache``'s tensors (as the runner does the target's); default
         none: the EAGLE-3 head and MTP modules address their KV layer by index."""

@@ -169,6 +169,8 @@ class Engine:
         for r in batch:
             if r.finish_reason:
                 self.kv.free(r.slot)
+                if r.finish_reason in ("stop", "length"):  # a whole text: suffix drafting may draft from it
+                    self.runner.request_finished(r.prompt + r.output)
                 self.on_output(r.stream_output())
 
     def _emit(self, batch: list[Request]) -> None:

@@ -201,6 +201,11 @@ class ModelRunner:
             self.target.fused.bind_kv_cache(self.kv_cache)
         self.worker.bind_kv_cache(self.kv_cache)
 
+    def request_finished(self, token_ids: list[int]) -> None:
+        """A request ended with these tokens (prompt and output): the worker may keep them (suffix drafting's global
+        pool)."""
+        self.worker.request_finished(token_ids)
+
     def prepare_graphs(self, params: Sequence[SamplingParams]) -> None:
         """Capture every bucket's graph for the sampling variants of ``params`` before the first timed step."""
         self.bind_kv_cache()

@@ -7,6 +7,7 @@ from torch import nn
 
 from ...model.attention import AttentionMetadata
 from ..metadata import SpecMetadata
+from .global_pool import GlobalPool
 from .suffix_match import SuffixMatch
 
 
@@ -20,13 +21,22 @@ class SADraftEnhancer(nn.Module):
     ``SADraftEnhancer.maybe_override_all_draft_tokens``). Device tensors only, but for the context chunks' host
     sizes: a generation step stays one graph."""
 
-    def __init__(self, threshold: int = 1, max_matching_ngram_size: int = -1):
+    def __init__(self, threshold: int = 1, max_matching_ngram_size: int = -1, global_pool_size: int | None = None):
         super().__init__()
         self.threshold, self.max_matching_ngram_size = threshold, max_matching_ngram_size
+        self.global_pool_size = global_pool_size  # None: each request drafts from its own text only
         self.state: SuffixMatch | None = None  # allocate()
+        self.pool: GlobalPool | None = None
 
     def allocate(self, num_slots: int, max_positions: int, device: torch.device) -> None:
         self.state = SuffixMatch(num_slots, max_positions, self.max_matching_ngram_size).to(device)
+        if self.global_pool_size is not None:
+            self.pool = GlobalPool(num_slots, self.global_pool_size, self.state.min_match).to(device)
+
+    def request_finished(self, token_ids: list[int]) -> None:
+        """A finished request's prompt and output join the global pool (when there is one)."""
+        if self.pool is not None:
+            self.pool.add(token_ids, self.state)
 
     def observe(self, input_ids: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
                 attn: AttentionMetadata, spec_metadata: SpecMetadata, slots: torch.Tensor) -> None:
@@ -37,14 +47,23 @@ class SADraftEnhancer(nn.Module):
         if num_ctx:
             self.state.start(slots[:num_ctx], input_ids[:attn.num_context_tokens], attn.context_lens,
                              attn.chunk_starts)
+            if self.pool is not None:
+                self.pool.rebuild(slots[:num_ctx], self.state)
             if spec_metadata.has_partial_contexts:  # a partial chunk's sampled token is discarded
                 ctx_emitted = torch.where(spec_metadata.partial_contexts[:num_ctx], 0, num_accepted[:num_ctx])
                 emitted = torch.cat([ctx_emitted, num_accepted[num_ctx:]])
         self.state.extend(slots, new_tokens, emitted)
+        if self.pool is not None:
+            self.pool.extend(slots, new_tokens, emitted)
 
     def propose(self, slots: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drafts [B, k] int64, use [B] bool: the match reaches the threshold)."""
+        """(drafts [B, k] int64, use [B] bool: the match reaches the threshold): from the request's own text, or
+        from the global pool where its match is longer."""
         drafts, match_len = self.state.propose(slots, k)
+        if self.pool is not None:
+            pool_drafts, pool_len = self.pool.propose(slots, k)
+            drafts = torch.where((pool_len > match_len)[:, None], pool_drafts, drafts)
+            match_len = torch.maximum(match_len, pool_len)
         return drafts, match_len >= self.threshold
 
     def override(self, drafts: torch.Tensor, slots: torch.Tensor, draft_probs: torch.Tensor | None) -> torch.Tensor:

@@ -36,6 +36,9 @@ class SAWorker(SpecWorkerBase):
         self.sa.allocate(num_slots, max_positions, device)
         self.has_drafts = torch.zeros(num_slots, dtype=torch.bool, device=device)  # [slots]: drafts from a match
 
+    def request_finished(self, token_ids: list[int]) -> None:
+        self.sa.request_finished(token_ids)
+
     def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
@@ -62,7 +65,5 @@ class SAWorker(SpecWorkerBase):
 def build_sa_worker(target: TargetModel, cfg: SAConfig, max_batch_size: int) -> SAWorker:
     """The worker for ``cfg`` (``target`` and ``max_batch_size`` unused: the state is sized by the runner's
     ``allocate_state``; the same signature as the other build functions)."""
-    if cfg.enable_global_pool:
-        raise NotImplementedError("SAConfig.enable_global_pool: matching the outputs of finished requests is not "
-                                  "supported yet; each request drafts from its own prompt and output")
-    return SAWorker(cfg.max_draft_len, SADraftEnhancer(1, cfg.max_matching_ngram_size))
+    pool_size = cfg.global_pool_size if cfg.enable_global_pool else None
+    return SAWorker(cfg.max_draft_len, SADraftEnhancer(1, cfg.max_matching_ngram_size, pool_size))
