@@ -20,6 +20,7 @@ def spec_for(kind: str, target, head, k: int = 3):
     return {"self_draft": lambda: DraftTargetConfig(speculative_model=str(target), max_draft_len=k),
             "draft_lm": lambda: DraftTargetConfig(speculative_model=str(tiny_draft_lm("llama")), max_draft_len=k),
             "sa": lambda: SAConfig(max_draft_len=k),
+            "sa_pool": lambda: SAConfig(max_draft_len=k, enable_global_pool=True, global_pool_size=4096),
             "eagle3+sa": lambda: Eagle3Config(speculative_model=str(head), max_draft_len=k, use_sa_spec=True,
                                               sa_spec_threshold=2)}[kind]()
 
@@ -43,7 +44,7 @@ def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
     return outs
 
 
-@pytest.mark.parametrize("kind", ["self_draft", "draft_lm", "sa", "eagle3+sa", "mtp+sa"])
+@pytest.mark.parametrize("kind", ["self_draft", "draft_lm", "sa", "sa_pool", "eagle3+sa", "mtp+sa"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_graphed_greedy_is_lossless_fp32(kind, k):
     target, model = build(kind, k)
@@ -51,6 +52,15 @@ def test_graphed_greedy_is_lossless_fp32(kind, k):
     if kind == "self_draft":
         for out in outs:
             assert all(n == k + 1 for n in out.stats.accepted_per_step[:-1]), out.stats.accepted_per_step
+
+
+def test_the_global_pool_drafts_a_repeated_request_in_graphs():
+    target, model = build("sa_pool", 4)
+    prompt, n = [12, 8, 40, 41, 3], 40
+    first = model.generate([prompt], SamplingParams(max_new_tokens=n))[0]
+    again = model.generate([prompt], SamplingParams(max_new_tokens=n))[0]
+    assert first.token_ids == again.token_ids == hf_greedy(target, prompt, n)
+    assert again.stats.accepted_per_step[1:-1] == [5] * (len(again.stats.accepted_per_step) - 2)
 
 
 def test_draft_lm_with_chunked_prefill_in_graphs():

@@ -23,8 +23,8 @@ MAX_NEW = [20, 9, 17, 25, 12]
 def _model(arch, k, dtype, eager, **kw):
     target, head = tiny_pair(arch)
     spec = eagle3(head, k) if k else None
-    return target, SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=8,
-                                             enforce_eager=eager, **{"compile_step": True, **kw})
+    return target, SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", enforce_eager=eager,
+                                             **{"compile_step": True, "max_batch_size": 8, **kw})
 
 
 # one case checks the step compiled whole (the default for large targets); the rest capture eager kernels
@@ -129,28 +129,28 @@ def test_compiled_graphed_bf16_equals_eager(arch, monkeypatch):
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("spec", ["eagle3", "mtp"])
-def test_one_request_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypatch):
-    """A single request's steps take the one-request path (norm kernel, GEMM epilogues) in bf16: compiled and
-    graphed, it gives the eager path's tokens; a batch of two takes the other path in both."""
+def test_few_row_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypatch):
+    """Steps of at most 32 rows take the few-row path (norm kernel, GEMM epilogues) in bf16: compiled and graphed,
+    they give the eager path's tokens; a batch of nine requests' chains (36 rows) takes the other path in both."""
     def build(eager):
         if spec == "eagle3":
-            return _model("llama", 3, torch.bfloat16, eager=eager)[1]
+            return _model("llama", 3, torch.bfloat16, eager=eager, max_batch_size=16)[1]
         return SpecModel.from_pretrained(mtp_target("llama", "deepseek"), MTPConfig(num_nextn_predict_layers=1,
-                                         max_draft_len=3), dtype=torch.bfloat16, device="cuda", max_batch_size=8,
+                                         max_draft_len=3), dtype=torch.bfloat16, device="cuda", max_batch_size=16,
                                          enforce_eager=eager, compile_step=True)
-    rule, taken = layers.one_request_kernels, set()
+    rule, taken = layers.few_row_kernels, set()
 
     def recorded(x, attn):
         taken.add(rule(x, attn))
         return rule(x, attn)
-    monkeypatch.setattr(layers, "one_request_kernels", recorded)
+    monkeypatch.setattr(layers, "few_row_kernels", recorded)
     monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, with the patch: not loaded from disk
     torch._dynamo.reset()  # nor reused from an earlier test in this process: a trace made while traces were cached
     # has no guard on the patched function's identity (trace_cache.py), so it would run the unpatched one
     fast, eager = build(False), build(True)
-    batches, params = ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2]), SamplingParams(max_new_tokens=24)
+    batches, params = ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2], (PROMPTS * 2)[:9]), SamplingParams(max_new_tokens=24)
     fast_tokens = [[o.token_ids for o in fast.generate(prompts, params)] for prompts in batches]
-    assert taken == {True, False}  # the compiled steps traced both paths (batch 1 and batch 2)
+    assert taken == {True, False}  # the compiled steps traced both paths (batches 1 and 2; batch 9)
     assert fast_tokens == [[o.token_ids for o in eager.generate(prompts, params)] for prompts in batches]
 
 

@@ -105,7 +105,7 @@ class TargetModel(nn.Module):
 
     def compile(self) -> None:
         """torch.compile the decoder with dynamic shapes (one compilation serves every batch bucket above 1, batch
-        1 has its own: its layers take the one-request kernels, ``layers.one_request_kernels``): the fused
+        1 has its own: its layers take the few-row kernels, ``layers.few_row_kernels``): the fused
         decoder whole, for generation-only steps (prompts keep the eager path: their lengths vary); the stock
         modules layer by layer."""
         if self.fused is not None:

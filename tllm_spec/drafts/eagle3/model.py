@@ -8,7 +8,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ...model.attention import AttentionMetadata, attend
-from ...model.layers import COMPILE_OPTIONS, MLP, Attention, linear, norm, one_request_kernels
+from ...model.layers import COMPILE_OPTIONS, MLP, Attention, few_row_kernels, linear, norm
 from ...model.rotary import RotaryTable, apply_rotary
 from .checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
@@ -63,7 +63,7 @@ class Eagle3Midlayer(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
-        if isinstance(self.mlp, MLP) and one_request_kernels(x, attn):  # fused (inference), one request
+        if isinstance(self.mlp, MLP) and few_row_kernels(x, attn):  # fused (inference), few rows
             h = self.self_attn(x, rope, attn, residual=residual, rotary_epilogue=True)
             return self.mlp(norm(h, self.post_attention_layernorm), gated=True, residual=h)
         h = residual + self.self_attn(x, rope, attn)

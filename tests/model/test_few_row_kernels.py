@@ -1,5 +1,5 @@
-"""The one-request path (RMSNorms as their own op, residual adds and the SwiGLU product as GEMM epilogues: what a
-single request's step runs on the GPU) keeps greedy decoding lossless. The rule is forced on here: on the CPU
+"""The few-row path (RMSNorms as their own op, residual adds and the SwiGLU product as GEMM epilogues: what a
+generation step of at most 32 rows runs on the GPU) keeps greedy decoding lossless. The rule is forced on here: on the CPU
 ``layers.linear`` and the norm op compute the same results with the stock ops, so these tests check the fused
 layers' wiring (target, EAGLE-3 and MTP layers: which residual is added where, which norm feeds which GEMM);
 the kernels are checked against their references in ``tests/kernels`` and ``tests/gpu``."""
@@ -24,14 +24,14 @@ from ..test_mtp_lossless import mtp_target
 
 @pytest.fixture
 def forced_rule(monkeypatch):
-    """Every layer takes the one-request path; the list records the row counts of the layers that asked."""
+    """Every layer takes the few-row path; the list records the row counts of the layers that asked."""
     calls = []
 
     def always(x, attn):
         calls.append(x.shape[0])
         return True
-    monkeypatch.setattr(layers, "one_request_kernels", always)
-    monkeypatch.setattr(eagle3_module, "one_request_kernels", always)
+    monkeypatch.setattr(layers, "few_row_kernels", always)
+    monkeypatch.setattr(eagle3_module, "few_row_kernels", always)
     return calls
 
 
@@ -64,7 +64,7 @@ def test_eagle3_midlayer_drafts_the_same_on_both_paths(norm_before_residual, mon
         model.generate(PROMPTS[:3], [SamplingParams(max_new_tokens=n) for n in MAX_NEW[:3]])
         return seen
     stock = proposals()
-    monkeypatch.setattr(eagle3_module, "one_request_kernels", lambda x, attn: True)
+    monkeypatch.setattr(eagle3_module, "few_row_kernels", lambda x, attn: True)
     assert proposals() == stock and len(stock) >= 5
 
 
@@ -76,45 +76,19 @@ def test_mtp_layers_are_lossless(forced_rule):
     assert forced_rule
 
 
-def test_the_rule_takes_only_single_request_steps_in_half_precision_on_cuda():
+def test_the_rule_takes_generation_steps_of_few_rows_in_half_precision_on_cuda():
     def tensor(rows, dtype=torch.bfloat16, cuda=True):  # the rule reads only these attributes
         return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(rows, 4096))
 
     def meta(tokens_per_request, context_lens=()):
         return SimpleNamespace(tokens_per_request=tokens_per_request, context_lens=context_lens)
-    assert layers.one_request_kernels(tensor(4), meta(4))  # one request's verify rows
-    assert layers.one_request_kernels(tensor(1, torch.float16), meta(1))  # one request's draft pass
-    assert not layers.one_request_kernels(tensor(8), meta(4))  # two requests
-    assert not layers.one_request_kernels(tensor(2), meta(1))
-    assert not layers.one_request_kernels(tensor(4, torch.float32), meta(4))  # fp32 keeps the stock ops
-    assert not layers.one_request_kernels(tensor(4, cuda=False), meta(4))
-    assert layers.one_request_kernels(tensor(26), meta(26))  # one request's default draft tree
-    assert not layers.one_request_kernels(tensor(MAX_ROWS + 1), meta(MAX_ROWS + 1))  # more rows than the kernel takes
-    assert not layers.one_request_kernels(tensor(3), meta(4, context_lens=(3,)))  # a prompt
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("residual", [False, True])
-def test_op_with_epilogues_passes_opcheck(bias, gated, residual):
-    x, layer = torch.randn(3, 16), nn.Linear(16, 24, bias=bias)
-    res = torch.randn(3, 12 if gated else 24) if residual else None
-    torch.library.opcheck(skinny_linear_op, (x, layer.weight.detach(), layer.bias.detach() if bias else None,
-                                             gated, res))
-
-
-def test_norm_op_passes_opcheck():
-    torch.library.opcheck(rms_norm_op, (torch.randn(3, 16), torch.rand(16) + 0.5, 1e-6))
-
-
-def test_linear_and_norm_are_the_stock_ops_on_cpu():
-    x, residual = torch.randn(5, 16), torch.randn(5, 12)
-    gate, up, down = nn.Linear(16, 12), nn.Linear(16, 12), nn.Linear(12, 16)
-    mlp = layers.MLP.from_linears(gate, up, down)  # the stock modules' weights become views of the fused one
-    torch.testing.assert_close(layers.linear(x, mlp.gate_up_proj, gated=True, residual=residual),
-                               residual + torch.nn.functional.silu(gate(x)) * up(x))  # one GEMM or two: sum order
-    stock = LlamaRMSNorm(16, eps=1e-6)
-    nn.init.normal_(stock.weight)
-    for dtype in (torch.float32, torch.bfloat16):
-        h = torch.randn(5, 16).to(dtype)
-        assert torch.equal(layers.norm(h, stock.to(dtype)), stock.to(dtype)(h))
+    assert layers.few_row_kernels(tensor(4), meta(4))  # one request's verify rows
+    assert layers.few_row_kernels(tensor(1, torch.float16), meta(1))  # one request's draft pass
+    assert layers.few_row_kernels(tensor(8), meta(4))  # two requests
+    assert layers.few_row_kernels(tensor(32), meta(4))  # eight requests' chains of three drafts
+    assert not layers.few_row_kernels(tensor(36), meta(4))  # nine: more rows than the kernel takes
+    assert not layers.few_row_kernels(tensor(4, torch.float32), meta(4))  # fp32 keeps the stock ops
+    assert not layers.few_row_kernels(tensor(4, cuda=False), meta(4))
+    assert layers.few_row_kernels(tensor(26), meta(26))  # one request's default draft tree
+    assert not layers.few_row_kernels(tensor(52), meta(26))  # two requests' trees
+    assert not layers.few_row_kernels(tensor(3), meta(4, context_lens=(3,)))  # a prompt
