@@ -66,9 +66,6 @@ class Eagle3Config(SAEnhancerFields):
             raise ValueError(f"eagle3_layers_to_capture must be 3 non-negative layer ids (repeats allowed), "
                              f"got {layers}")
         self._check_tree()
-        if self.use_sa_spec and self.is_spec_dec_tree:
-            raise ValueError("use_sa_spec drafts chains: it does not run with a draft tree (eagle_choices or "
-                             "use_dynamic_tree) yet")
         check_draft_len_schedule(self.draft_len_schedule, self.max_draft_len,
                                  self.total_draft_tokens if self.is_spec_dec_tree else None)
         return self

@@ -77,6 +77,36 @@ def test_sa_on_top_of_a_head_is_lossless_and_drafts_more_where_text_repeats(spec
     assert outs.stats["mean_accepted_length"] > plain.stats["mean_accepted_length"]
 
 
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_sa_on_a_tree_puts_its_chain_on_the_first_children(tree):
+    from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
+
+    target, head = tiny_pair("llama")
+    fields = dict(eagle_choices=DEFAULT_EAGLE_CHOICES, max_draft_len=7) if tree == "static" else dict(
+        use_dynamic_tree=True, dynamic_tree_max_topK=3, max_total_draft_tokens=25, max_draft_len=8)
+    base = Eagle3Config(speculative_model=str(head), **fields)
+    plain = check_lossless(target, SpecModel.from_pretrained(target, base, max_batch_size=3))
+    enhanced = SpecModel.from_pretrained(target, base.model_copy(update=dict(use_sa_spec=True, sa_spec_threshold=2)),
+                                         max_batch_size=3)
+    outs = check_lossless(target, enhanced)
+    assert outs.stats["mean_accepted_length"] > plain.stats["mean_accepted_length"]
+    # a sampled request beside greedy ones keeps its head's tree (drawn children, rejection sampling)
+    sampled = enhanced.generate(PROMPTS, [SamplingParams(max_new_tokens=12),
+                                          SamplingParams(max_new_tokens=12, temperature=1.0, seed=3),
+                                          SamplingParams(max_new_tokens=12)])
+    assert sampled[0].token_ids == hf_greedy(target, PROMPTS[0], 12) and len(sampled[1].token_ids) == 12
+
+
+def test_first_child_chains_follow_each_trees_most_likely_children():
+    import torch
+
+    from tllm_spec.drafts.tree import DraftTree, first_child_chains
+
+    static = DraftTree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # nodes 1 .. 6
+    parents = torch.tensor([static.parents, [0, 0, 0, 2, 2, 3, 1]])  # the second: node 6 is node 1's only child
+    assert first_child_chains(parents, 4).tolist() == [[1, 3, 6, 0], [1, 6, 0, 0]]
+
+
 @pytest.mark.parametrize("spec", ["sa", "eagle3+sa"])
 def test_sampled_output_keeps_the_targets_distribution(spec):
     from ..sampling.test_distribution import V, exact_joint, pvalue, sample_pairs
@@ -98,8 +128,6 @@ def test_bad_settings_are_refused_in_one_line():
         SAConfig(max_matching_ngram_size=0)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         Eagle3Config(speculative_model="x", use_sa_spec=True, sa_spec_threshold=0)
-    with pytest.raises(ValidationError, match="use_sa_spec drafts chains"):
-        Eagle3Config(speculative_model="x", max_draft_len=2, eagle_choices=[[0], [1], [0, 0]], use_sa_spec=True)
     with pytest.raises(ValidationError, match="greater than or equal to 1024"):
         SAConfig(enable_global_pool=True, global_pool_size=10)
 

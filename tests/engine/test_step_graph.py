@@ -7,7 +7,7 @@ GPU)."""
 import pytest
 import torch
 
-from tllm_spec import MTPConfig, SamplingParams, trace_cache
+from tllm_spec import DraftTargetConfig, MTPConfig, SAConfig, SamplingParams, trace_cache
 from tllm_spec.engine.cuda_graphs import compiled_generation_step, generation_step, step_compile_settings
 from tllm_spec.spec_model import SpecModel
 
@@ -44,7 +44,13 @@ def _model(worker: str, rejection: bool) -> SpecModel:
         config = (MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True) if worker == "mtp_vanilla" else
                   MTPConfig(num_nextn_predict_layers=1, max_draft_len=3, use_rejection_sampling=rejection))
         return SpecModel.from_pretrained(mtp_target("llama", "deepseek"), config, max_batch_size=BATCH)
-    return SpecModel.from_pretrained(tiny_pair("llama")[0], None, dtype=torch.float32, max_batch_size=BATCH)
+    target, head = tiny_pair("llama")
+    spec = {"draft_target": DraftTargetConfig(speculative_model=str(target), max_draft_len=3,
+                                              use_rejection_sampling=rejection),
+            "sa": SAConfig(max_draft_len=4, enable_global_pool=True, global_pool_size=1024),
+            "eagle3+sa": eagle3(head, 3).model_copy(update={"use_sa_spec": True, "use_rejection_sampling": rejection}),
+            "plain": None}[worker]
+    return SpecModel.from_pretrained(target, spec, dtype=torch.float32, max_batch_size=BATCH)
 
 
 def _greedy_step_inputs(model: SpecModel, size: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -62,8 +68,9 @@ def _step_modules(model):
 
 
 @pytest.mark.parametrize("worker,temperature", [  # the README command keeps one sampled chain and plain decoding
-    pytest.param(*case, marks=pytest.mark.slow) if case not in (("eagle3", 0.8), ("plain", 0.0)) else case
+    pytest.param(*case, marks=pytest.mark.slow) if case not in (("eagle3", 0.8), ("plain", 0.0), ("sa", 0.8)) else case
     for case in [("eagle3", 0.0), ("eagle3", 0.8), ("mtp", 0.8), ("mtp_vanilla", 0.0), ("plain", 0.0),
+                 ("draft_target", 0.0), ("draft_target", 0.8), ("sa", 0.8), ("eagle3+sa", 0.8),
                  ("eagle3_static_tree", 0.0), ("eagle3_static_tree", 0.8), ("eagle3_dynamic_tree", 0.0),
                  ("eagle3_dynamic_tree", 0.8)]])
 def test_generation_step_breaks_only_at_the_layer_stack(worker, temperature):

@@ -68,12 +68,16 @@ class SpecWorkerBase(nn.Module, ABC):
 
     def _enhance_drafts(self, input_ids: torch.Tensor, new_tokens: torch.Tensor, num_accepted: torch.Tensor,
                         next_draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata,
-                        slots: torch.Tensor) -> torch.Tensor:
+                        slots: torch.Tensor, tree_chain: torch.Tensor | None = None) -> torch.Tensor:
         """With ``use_sa_spec``: the step's tokens added to each request's text, and the head's next drafts [B, k']
-        replaced where the text repeats (slots [B]); else the drafts unchanged."""
+        replaced where the text repeats (slots [B]); a tree's (``tree_chain`` [B, D]: its first children) along
+        that chain, for greedy requests. Else the drafts unchanged."""
         if self.sa_enhancer is None:
             return next_draft_tokens
         self.sa_enhancer.observe(input_ids, new_tokens, num_accepted, attn, spec_metadata, slots)
+        if tree_chain is not None:
+            greedy = spec_metadata.top_ks[spec_metadata.first_rows()] == 1  # greedy rows sample with top-k 1
+            return self.sa_enhancer.override_tree(next_draft_tokens, tree_chain, slots, greedy)
         sampled = self.use_rejection_sampling and not spec_metadata.all_greedy
         return self.sa_enhancer.override(next_draft_tokens, slots, self.draft_probs if sampled else None)
 

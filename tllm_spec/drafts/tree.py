@@ -207,3 +207,20 @@ def parent_rows(tree: DraftTree) -> list[int]:
         rows.append(next_row if children[node] else -1)
         next_row += bool(children[node])
     return rows
+
+
+def first_child_chains(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Each tree's chain of first children from the root (a node's first child: its lowest-numbered one, the
+    most likely). parents [B, N+1] int64 (node 0 the root) -> [B, max_depth] int64 node indices, 0 past the
+    chain's end (the root is never on it)."""
+    num, size = parents.shape
+    nodes = torch.arange(size, device=parents.device)
+    is_child = parents[:, None, 1:] == nodes[None, :, None]  # [B, N+1, N]: node j + 1 is a child of node i
+    first = torch.where(is_child, nodes[1:], size).amin(dim=2)  # [B, N+1], size: no child
+    first = torch.cat([first, first.new_full((num, 1), size)], dim=1)  # the end maps to itself
+    chain, node = [], parents.new_zeros(num, 1)
+    for _ in range(max_depth):
+        node = first.gather(1, node)
+        chain.append(node)
+    chain = torch.cat(chain, dim=1)
+    return torch.where(chain == size, 0, chain)

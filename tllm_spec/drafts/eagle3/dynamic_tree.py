@@ -34,7 +34,7 @@ from ...sampling import rng, sampler
 from ...sampling.rejection import full_vocab_probs
 from ...sampling.small_topk import small_topk
 from ..metadata import SpecMetadata
-from ..tree import TreeTensors, relative_tree_bits, tree_tensors
+from ..tree import TreeTensors, first_child_chains, relative_tree_bits, tree_tensors
 from .tree_step import _SALT_CHILDREN, TreeStep
 
 if TYPE_CHECKING:
@@ -77,6 +77,9 @@ class DynamicTreeStep(TreeStep):
     def structure(self, slots: torch.Tensor) -> tuple[TreeTensors, torch.Tensor, torch.Tensor]:
         tensors = tree_tensors(self.parents[slots], self.depth, self.top_k)
         return tensors, tensors.relative_masks(), self.slot_prob_rows[slots]
+
+    def first_child_chain(self, slots: torch.Tensor) -> torch.Tensor:
+        return first_child_chains(self.parents[slots], self.depth)
 
     def draft(self, draft_model, hidden: torch.Tensor, position: torch.Tensor, slots: torch.Tensor,
               attn: AttentionMetadata, spec_metadata: SpecMetadata | None = None,

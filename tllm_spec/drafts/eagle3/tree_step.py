@@ -32,7 +32,7 @@ from ...sampling.rejection import full_vocab_probs
 from ...sampling.small_topk import small_topk
 from ..base import with_context_rows
 from ..metadata import SpecMetadata
-from ..tree import DraftTree, TreeTensors, parent_rows, tree_children
+from ..tree import DraftTree, TreeTensors, first_child_chains, parent_rows, tree_children
 from ..tree_verify import forced_tree_path, path_rows, tree_greedy_accept, tree_rejection_sample
 
 if TYPE_CHECKING:
@@ -78,6 +78,11 @@ class TreeStep:
         """(tree tensors, tree masks [N+1], rows of the kept draft distributions [N+1]) of the trees the
         requests in ``slots`` [G] verify: here the one static tree, unbatched."""
         return self.tensors, self.masks, self.prob_rows
+
+    def first_child_chain(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B, D] node indices of the chain of first children of each request's tree (0 past its end): where
+        suffix drafting puts its chain (``use_sa_spec``). slots [B]."""
+        return first_child_chains(self.tensors.parents[None], self.max_depth).expand(slots.shape[0], -1)
 
     def verify_metadata(self, attn: AttentionMetadata, num_context_tokens: int, num_generation: int
                         ) -> AttentionMetadata:

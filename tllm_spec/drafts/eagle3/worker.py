@@ -95,10 +95,11 @@ class Eagle3OneModelWorker(SpecWorkerBase):
             row_tokens = spec_metadata.with_next_prompt_tokens(torch.cat([new_tokens[:num_contexts, 0], gen_rows]), 0)
         next_draft_tokens = self.draft(input_ids, row_tokens, target_features, num_accepted, attn, spec_metadata,
                                        paths)
-        if paths is None:  # chains (the config refuses use_sa_spec with a tree)
+        if self.sa_enhancer is not None:
             slots = attn.token_slots[spec_metadata.gather_ids[spec_metadata.first_rows()]]
+            chain = self.tree_step.first_child_chain(slots) if self.is_tree(spec_metadata.next_draft_len) else None
             next_draft_tokens = self._enhance_drafts(input_ids, new_tokens, num_accepted, next_draft_tokens, attn,
-                                                     spec_metadata, slots)
+                                                     spec_metadata, slots, chain)
         out = {
             "new_tokens": new_tokens,
             "new_tokens_lens": num_accepted,

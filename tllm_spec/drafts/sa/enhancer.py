@@ -78,3 +78,16 @@ class SADraftEnhancer(nn.Module):
             one_hot = torch.zeros_like(draft_probs[slots, :k]).scatter_(2, sa_drafts[:, :, None], 1.0)
             draft_probs[slots, :k] = torch.where(use[:, None, None], one_hot, draft_probs[slots, :k])
         return torch.where(use[:, None], sa_drafts, drafts)
+
+    def override_tree(self, drafts: torch.Tensor, chain: torch.Tensor, slots: torch.Tensor, greedy: torch.Tensor
+                      ) -> torch.Tensor:
+        """A tree's drafts [B, N] (node i at column i - 1) with the automaton's chain along each tree's first
+        children (chain [B, D] node indices, 0 past its end) where the text repeats, for greedy requests (greedy
+        [B] bool): a tree is verified by its deepest path of the target's own tokens, so any drafts keep it
+        lossless; a sampled request's children stay the head's, drawn from the distributions rejection sampling
+        verifies them against."""
+        sa_drafts, use = self.propose(slots, chain.shape[1])
+        replace = (use & greedy)[:, None] & (chain > 0)
+        columns = torch.where(replace, chain - 1, drafts.shape[1])  # the rest write a scratch column
+        padded = torch.cat([drafts, drafts[:, :1]], dim=1)
+        return padded.scatter(1, columns, sa_drafts)[:, :-1]
