@@ -63,6 +63,19 @@ def test_the_global_pool_drafts_a_repeated_request_in_graphs():
     assert again.stats.accepted_per_step[1:-1] == [5] * (len(again.stats.accepted_per_step) - 2)
 
 
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_sa_on_a_tree_in_graphs_is_lossless(tree):
+    from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
+
+    target, head = tiny_pair("llama")
+    fields = dict(eagle_choices=DEFAULT_EAGLE_CHOICES, max_draft_len=7) if tree == "static" else dict(
+        use_dynamic_tree=True, dynamic_tree_max_topK=3, max_total_draft_tokens=25, max_draft_len=8)
+    cfg = Eagle3Config(speculative_model=str(head), use_sa_spec=True, sa_spec_threshold=2, **fields)
+    model = SpecModel.from_pretrained(target, cfg, dtype=torch.float32, device="cuda", max_batch_size=8,
+                                      compile_step=False)
+    check_lossless(target, model, SA_PROMPTS + PROMPTS[3:], [40, 30, 37] + MAX_NEW[3:])
+
+
 def test_draft_lm_with_chunked_prefill_in_graphs():
     target, model = build("self_draft", 3, max_num_batched_tokens=8)
     prompts = [list(range(1, 40)), [7] * 23, [3, 4]]
