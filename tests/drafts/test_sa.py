@@ -123,11 +123,33 @@ def test_sampled_output_keeps_the_targets_distribution(spec):
     assert stats["acceptance_rate_per_position"][0] > 0.005
 
 
+@pytest.mark.parametrize("kind", ["draft_lm", "sa", "eagle3+sa"])
+def test_sixteen_requests_at_once_are_lossless(kind):
+    from tllm_spec import DraftTargetConfig
+
+    from ..models import tiny_draft_lm
+
+    target, head = tiny_pair("qwen2")
+    cfg = {"draft_lm": DraftTargetConfig(speculative_model=str(tiny_draft_lm("qwen2")), max_draft_len=5),
+           "sa": SAConfig(max_draft_len=6),
+           "eagle3+sa": Eagle3Config(speculative_model=str(head), max_draft_len=3, use_sa_spec=True,
+                                     sa_spec_threshold=2)}[kind]
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(3 + i % 5)] * (1 + i % 3) for i in range(16)]
+    model = SpecModel.from_pretrained(target, cfg, max_batch_size=16)
+    check_lossless(target, model, prompts, [10 + i % 7 for i in range(16)])
+
+
 def test_bad_settings_are_refused_in_one_line():
     with pytest.raises(ValidationError, match="max_matching_ngram_size 0 is invalid"):
         SAConfig(max_matching_ngram_size=0)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         Eagle3Config(speculative_model="x", use_sa_spec=True, sa_spec_threshold=0)
+    from tllm_spec import DraftTargetConfig
+
+    with pytest.raises(ValidationError, match="use_sa_spec"):  # a draft LM's config has no enhancer to host
+        DraftTargetConfig(speculative_model="x", use_sa_spec=True)
+    with pytest.raises(ValidationError, match="use_sa_spec"):
+        SAConfig(use_sa_spec=True)
     with pytest.raises(ValidationError, match="greater than or equal to 1024"):
         SAConfig(enable_global_pool=True, global_pool_size=10)
 
