@@ -13,6 +13,7 @@ from ..models import hf_greedy, tiny_draft_lm, tiny_pair
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9], [33, 34, 35, 36],
            [90, 1, 90, 1, 90]]
 MAX_NEW = [14, 9, 17, 5, 12]
+FAST = {("llama", 8), ("qwen2", 3), ("qwen3", 1), ("mistral", 3)}
 
 
 def draft_target(draft, k, **fields):
@@ -26,8 +27,9 @@ def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
     return outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("k", [1, 3, 8])
+# one K per family in the README's test command, the rest of the grid in the slow one
+@pytest.mark.parametrize("arch,k", [pytest.param(a, k, marks=[] if (a, k) in FAST else [pytest.mark.slow])
+                                    for a in ("llama", "qwen2", "qwen3", "mistral") for k in (1, 3, 8)])
 def test_a_target_drafting_for_itself_is_lossless_and_accepts_every_draft(arch, k):
     target, _ = tiny_pair(arch)
     model = SpecModel.from_pretrained(target, draft_target(target, k), max_batch_size=3)
@@ -36,8 +38,8 @@ def test_a_target_drafting_for_itself_is_lossless_and_accepts_every_draft(arch, 
         assert all(n == k + 1 for n in out.stats.accepted_per_step[:-1]), out.stats.accepted_per_step
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("arch,batch", [("llama", 5), ("qwen3", 1), pytest.param("llama", 1, marks=pytest.mark.slow),
+                                        pytest.param("qwen3", 5, marks=pytest.mark.slow)])
 def test_a_different_small_draft_is_lossless(arch, batch):
     target, _ = tiny_pair(arch)
     model = SpecModel.from_pretrained(target, draft_target(tiny_draft_lm(arch), 3), max_batch_size=batch)
@@ -71,7 +73,8 @@ def test_rejection_sampling_keeps_greedy_requests_exact():
     assert len(outs[1].token_ids) == len(outs[2].token_ids) == 12
 
 
-@pytest.mark.parametrize("draft", [pytest.param("self", marks=pytest.mark.slow), "other"])
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine
+@pytest.mark.parametrize("draft", ["self", "other"])
 def test_rejection_sampling_two_token_distribution(draft):
     """At T = 1 the first two emitted tokens follow the target's joint distribution (chi-square); drafting for
     itself, a target's drafts are drawn from p itself and always accepted."""

@@ -11,6 +11,7 @@ from ..models import hf_greedy, tiny_pair
 # the first repeats its opening; tiny random targets' greedy continuations fall into loops, which SA then drafts
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71, 5, 17, 3, 44], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 MAX_NEW = [40, 30, 37]
+FAST = {("llama", 1), ("qwen2", 4), ("qwen3", 8), ("mistral", 4)}
 
 
 def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
@@ -20,8 +21,9 @@ def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
     return outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("k", [1, 4, 8])
+# one K per family in the README's test command, the rest of the grid in the slow one
+@pytest.mark.parametrize("arch,k", [pytest.param(a, k, marks=[] if (a, k) in FAST else [pytest.mark.slow])
+                                    for a in ("llama", "qwen2", "qwen3", "mistral") for k in (1, 4, 8)])
 def test_sa_is_lossless_and_accepts_drafts_where_the_output_repeats(arch, k):
     target, _ = tiny_pair(arch)
     model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=k), max_batch_size=3)
@@ -60,7 +62,7 @@ def test_the_prompt_is_drafted_from():
         assert out.stats.accepted_per_step[1] > 1
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "mtp_eagle", "mtp_vanilla"])
+@pytest.mark.parametrize("spec", ["eagle3", pytest.param("mtp_eagle", marks=pytest.mark.slow), "mtp_vanilla"])
 def test_sa_on_top_of_a_head_is_lossless_and_drafts_more_where_text_repeats(spec):
     from ..test_mtp_lossless import mtp_target
 
@@ -77,6 +79,7 @@ def test_sa_on_top_of_a_head_is_lossless_and_drafts_more_where_text_repeats(spec
     assert outs.stats["mean_accepted_length"] > plain.stats["mean_accepted_length"]
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_sa_on_a_tree_puts_its_chain_on_the_first_children(tree):
     from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
@@ -107,7 +110,7 @@ def test_first_child_chains_follow_each_trees_most_likely_children():
     assert first_child_chains(parents, 4).tolist() == [[1, 3, 6, 0], [1, 6, 0, 0]]
 
 
-@pytest.mark.parametrize("spec", ["sa", "eagle3+sa"])
+@pytest.mark.parametrize("spec", ["sa", pytest.param("eagle3+sa", marks=pytest.mark.slow)])
 def test_sampled_output_keeps_the_targets_distribution(spec):
     from ..sampling.test_distribution import V, exact_joint, pvalue, sample_pairs
 

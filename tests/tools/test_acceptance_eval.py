@@ -65,6 +65,7 @@ def test_every_method_is_named_with_its_config():
     assert list(head_configs(None, None, 3, sa_k=4, sa_spec_threshold=4)) == ["sa"]
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine
 def test_evaluate_reports_every_head_and_temperature():
     heads = head_configs(str(trained("eagle3").out), str(trained("mtp").out), k=3)
     prompts = [[5, 17, 3, 44, 9, 2, 71], [12, 8, 40, 41, 42, 3, 4]]

@@ -2,6 +2,8 @@
 summary table, the report and the plot."""
 import importlib.util
 
+import pytest
+
 from tllm_spec.demo import resolve
 from tllm_spec.tokenizer import load_tokenizer
 from tllm_spec.tools.acceptance_eval import head_configs, heldout_texts
@@ -29,6 +31,7 @@ def test_each_workload_has_its_prompts():
     assert all(request in tokenizer.decode(p) for p in prompts["edit"])
 
 
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine
 def test_every_method_on_every_workload(tmp_path):
     target, head = tiny_pair("llama")
     # the target drafting for itself: every greedy draft accepted, so its T=0 rows are known exactly
