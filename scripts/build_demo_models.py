@@ -1,4 +1,4 @@
-"""Build the embedded demo pair from scratch: tokenizer, Llama target, EAGLE-3 head, MTP module.
+"""Build the embedded demo pair from scratch: tokenizer, Llama target, EAGLE-3 head, MTP module, draft LM.
 
     python3 scripts/build_demo_models.py --out /tmp/demo_out --device cuda --minutes 7 --corpus /usr/lib/python3.11
 
@@ -8,7 +8,9 @@ validation set. Writes the pair to WORKDIR/demo and packs it into OUT as demo_as
 < 15 MB) plus build_report.json, then prints the command that unpacks it into tllm_spec/assets/demo.
 --minutes is the training budget: the target takes at most 45 % (it stops earlier at its best validation
 loss), then the target's rollouts are generated, then the EAGLE-3 head takes 60 % of what is left and the
-MTP module the rest. Tokenizer training, model loading, the CPU acceptance check and packing come on top
+MTP module the rest; the draft LM (demo://draft) trains for a quarter of --minutes on top (on its own against a
+shipped target: scripts/build_demo_draft.py). Tokenizer training, model loading, the CPU acceptance check and
+packing come on top
 (about 1.5 minutes on a 16-core host). --target-from reuses a target an earlier build trained on the same
 corpus (its target/ directory) and gives the drafts the whole budget.
 """
@@ -41,7 +43,7 @@ def main() -> None:
     report = build_demo_models(args.out, workdir, torch.device(args.device), args.minutes,
                                TINY_SHAPE if args.tiny else RecipeShape(), files=stdlib_corpus(args.corpus),
                                target_from=args.target_from, progress=not args.no_progress)
-    print(json.dumps({k: report[k] for k in ("phases_s", "target", "eagle3", "mtp", "cpu_check", "sizes")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("phases_s", "target", "eagle3", "mtp", "draft_lm", "cpu_check", "sizes")}, indent=1))
     print(f"total {time.perf_counter() - start:.0f} s; pair built in {workdir}/demo")
     print(f"unpack into the package (from the repository root):\n  {unpack_command(args.out)}")
 

@@ -31,8 +31,8 @@ def test_heldout_list_is_every_tenth_file(built):
 
 def test_phases_are_timed_and_both_heads_checked(built):
     out, _, report = built
-    assert set(report["phases_s"]) == {"corpus+tokenizer", "target", "rollouts", "eagle3", "mtp", "cpu check",
-                                       "pack"}
+    assert set(report["phases_s"]) == {"corpus+tokenizer", "target", "rollouts", "eagle3", "mtp", "draft_lm",
+                                       "cpu check", "pack"}
     assert json.loads((out / "build_report.json").read_text())["phases_s"] == report["phases_s"]
     for head in ("eagle3", "mtp", "eagle3_T1", "mtp_T1"):
         assert report["cpu_check"][head]["steps"] > 0
@@ -64,7 +64,8 @@ def test_parts_unpack_into_the_asset_layout(built):
         names = set(tar.getnames())
     expected = {"demo/target/config.json", "demo/target/tokenizer.json", "demo/target/model.safetensors",
                 "demo/eagle3/config.json", "demo/eagle3/model.safetensors", "demo/mtp/model.safetensors.index.json",
-                "demo/mtp/model-mtp.safetensors", "demo/heldout.json", "demo/recipe.json"}
+                "demo/mtp/model-mtp.safetensors", "demo/draft/config.json", "demo/draft/model.safetensors",
+                "demo/draft/tokenizer.json", "demo/heldout.json", "demo/recipe.json"}
     assert expected <= names
     assert not any(n.endswith("trainer_state.pt") for n in names)
     assert report["sizes"]["total"] == sum(v for k, v in report["sizes"].items() if k != "total")

@@ -16,6 +16,9 @@
    behind ``scripts/train_draft.py``) on training text and rollouts, sharing the time the target left.
 6. bf16 weights in ``demo/{target,eagle3,mtp}``, a CPU acceptance check (T = 0, and T = 1 with rejection
    sampling), packed as ``demo_assets.tgz.NNN``.
+7. A draft LM for the draft_target mode (:mod:`.demo_draft_lm`, ``demo/draft``): a two-layer Llama of the
+   target's vocabulary, its embedding projected from the target's, trained in its own share of the minutes on
+   top of the others.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from ..training.rollout import generate_rollouts
 from ..training.target import eval_loss, llama_config, save_target, train_target
 from ..training.tokenizer import save_tokenizer, train_bpe_tokenizer
 from .demo_assets import check_sizes, corpus_root, cpu_check, pack, write_heldout
+from .demo_draft_lm import TINY_DRAFT_LM, DraftLMShape, draft_lm_phase
 
 VALIDATION_POSITION = 5  # 1-based position (mod HELDOUT_EVERY) of the target's validation files
 HELDOUT_RULE = (f"the {HELDOUT_EVERY}th, {2 * HELDOUT_EVERY}th, ... file of the sorted list of every .py file under "
@@ -72,6 +76,7 @@ class RecipeShape:
     max_steps: int = 100_000
     prompt_chars: int = 1200  # opening text stored per held-out file
     check_prompts: int = 16  # held-out prompts of the CPU acceptance check
+    draft_lm: DraftLMShape = field(default_factory=DraftLMShape)
 
 
 TINY_SHAPE = RecipeShape(  # for the CPU test of the recipe
@@ -79,7 +84,7 @@ TINY_SHAPE = RecipeShape(  # for the CPU test of the recipe
                                                       num_attention_heads=2, num_key_value_heads=1,
                                                       max_position_embeddings=256),
     head_intermediate_size=64, seq_len=32, target_batch=4, draft_batch=4, max_steps=4, rollout_sequences=8,
-    rollout_prompt_tokens=8, prompt_chars=300, check_prompts=3)
+    rollout_prompt_tokens=8, prompt_chars=300, check_prompts=3, draft_lm=TINY_DRAFT_LM)
 
 
 def build_demo_models(out: str | Path, workdir: str | Path, device: torch.device, minutes: float = 7.0,
@@ -125,6 +130,10 @@ def build_demo_models(out: str | Path, workdir: str | Path, device: torch.device
                                     device, share * budget, progress)
         budget -= report[kind]["seconds"]
         clock.lap(kind)
+    report["draft_lm"] = draft_lm_phase(shape.draft_lm, demo_dir / "target", stream, held_tokens,
+                                        demo_dir / "heldout.json", demo_dir / "draft", device,
+                                        shape.draft_lm.share * 60.0 * minutes, rollouts, progress)
+    clock.lap("draft_lm")
     report["cpu_check"] = cpu_check(demo_dir, min(64, shape.seq_len), min(64, shape.seq_len), shape.check_prompts)
     clock.lap("cpu check")
     (demo_dir / "recipe.json").write_text(json.dumps(report, indent=2))
