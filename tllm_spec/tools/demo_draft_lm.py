@@ -1,15 +1,14 @@
 """The demo's draft LM (``demo://draft``): a small Llama of the target's vocabulary, run by the one-model
 draft_target mode, trained against the frozen target.
 
-Its token embedding starts as the target's, projected on its principal directions. Three objectives:
-``"text"``, next-token cross-entropy on corpus text; ``"rollouts"``, the same on the target's own continuations
+Its token embedding starts as the target's, projected on its principal directions. Three objectives: ``"text"``,
+next-token cross-entropy on corpus text; ``"rollouts"``, the same on the target's own continuations
 (:mod:`..training.rollout`, half greedy half T = 1) mixed with corpus text; ``"kl"``, KL(target || draft) on every
-position of corpus windows (the target's full next-token distribution, computed on the fly). On the 2-core CPU
-the shipped draft was trained on, "text" reached the highest held-out agreement in the same time: a target
-forward costs three to five draft training steps, and a rollout token more (docs/demo_pair.md). The draft is
-scored by its greedy agreement with the target's greedy next token, teacher-forced: on held-out text, and on the
-target's own greedy continuations of held-out prompts, where the chain a K-draft step accepts is read off the
-matches.
+position of corpus windows (the target's full next-token distribution, computed on the fly). On the 2-core CPU the
+shipped draft was trained on, "text" reached the highest held-out agreement in the same time: a KL step costs three
+to five text steps, and a rollout token more (docs/demo_pair.md). The draft is scored by its greedy agreement with
+the target's greedy next token, teacher-forced: on held-out text, and on the target's own greedy continuations of
+held-out prompts, where the chain a K-draft step accepts is read off the matches.
 """
 from __future__ import annotations
 
