@@ -95,3 +95,22 @@ def tiny_draft_lm(arch: str = "llama", vocab_size: int = 97, seed: int = 7, num_
     cfg = target_config(arch, vocab_size=vocab_size, num_hidden_layers=num_layers, hidden_size=hidden_size,
                         intermediate_size=2 * hidden_size, num_attention_heads=2, num_key_value_heads=1)
     return save_random_target(_ROOT / f"draft-{arch}-{vocab_size}-{seed}-{num_layers}-{hidden_size}", cfg, seed=seed)
+
+
+def assert_greedy_lossless(target: Path, model, prompts: list[list[int]], max_new: list[int]):
+    """Generate greedily and check each output against the target's own greedy continuation; the outputs."""
+    from tllm_spec import SamplingParams
+
+    outs = model.generate(prompts, [SamplingParams(max_new_tokens=n) for n in max_new])
+    for prompt, n, out in zip(prompts, max_new, outs):
+        assert out.token_ids == hf_greedy(target, prompt, n), f"prompt {prompt}"
+    return outs
+
+
+def family_grid(ks: tuple[int, ...], fast: set[tuple[str, int]]) -> list:
+    """pytest params (arch, k) over the four fused families and ``ks``: the ``fast`` pairs in the README's test
+    command, the rest of the grid marked slow."""
+    import pytest
+
+    return [pytest.param(a, k, marks=[] if (a, k) in fast else [pytest.mark.slow])
+            for a in ("llama", "qwen2", "qwen3", "mistral") for k in ks]

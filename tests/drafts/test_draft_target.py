@@ -8,7 +8,7 @@ from tllm_spec import DraftTargetConfig, SamplingParams
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.random_models import save_random_target, target_config
 
-from ..models import hf_greedy, tiny_draft_lm, tiny_pair
+from ..models import assert_greedy_lossless, family_grid, hf_greedy, tiny_draft_lm, tiny_pair
 
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9], [33, 34, 35, 36],
            [90, 1, 90, 1, 90]]
@@ -21,15 +21,10 @@ def draft_target(draft, k, **fields):
 
 
 def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
-    outs = model.generate(prompts, [SamplingParams(max_new_tokens=n) for n in max_new])
-    for prompt, n, out in zip(prompts, max_new, outs):
-        assert out.token_ids == hf_greedy(target, prompt, n), f"prompt {prompt}"
-    return outs
+    return assert_greedy_lossless(target, model, prompts, max_new)
 
 
-# one K per family in the README's test command, the rest of the grid in the slow one
-@pytest.mark.parametrize("arch,k", [pytest.param(a, k, marks=[] if (a, k) in FAST else [pytest.mark.slow])
-                                    for a in ("llama", "qwen2", "qwen3", "mistral") for k in (1, 3, 8)])
+@pytest.mark.parametrize("arch,k", family_grid((1, 3, 8), FAST))  # one K per family in the README command
 def test_a_target_drafting_for_itself_is_lossless_and_accepts_every_draft(arch, k):
     target, _ = tiny_pair(arch)
     model = SpecModel.from_pretrained(target, draft_target(target, k), max_batch_size=3)

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 from tllm_spec import Eagle3Config, MTPConfig, SAConfig, SamplingParams
 from tllm_spec.spec_model import SpecModel
 
-from ..models import hf_greedy, tiny_pair
+from ..models import assert_greedy_lossless, family_grid, hf_greedy, tiny_pair
 
 # the first repeats its opening; tiny random targets' greedy continuations fall into loops, which SA then drafts
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71, 5, 17, 3, 44], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -15,15 +15,10 @@ FAST = {("llama", 1), ("qwen2", 4), ("qwen3", 8), ("mistral", 4)}
 
 
 def check_lossless(target, model, prompts=PROMPTS, max_new=MAX_NEW):
-    outs = model.generate(prompts, [SamplingParams(max_new_tokens=n) for n in max_new])
-    for prompt, n, out in zip(prompts, max_new, outs):
-        assert out.token_ids == hf_greedy(target, prompt, n), f"prompt {prompt}"
-    return outs
+    return assert_greedy_lossless(target, model, prompts, max_new)
 
 
-# one K per family in the README's test command, the rest of the grid in the slow one
-@pytest.mark.parametrize("arch,k", [pytest.param(a, k, marks=[] if (a, k) in FAST else [pytest.mark.slow])
-                                    for a in ("llama", "qwen2", "qwen3", "mistral") for k in (1, 4, 8)])
+@pytest.mark.parametrize("arch,k", family_grid((1, 4, 8), FAST))  # one K per family in the README command
 def test_sa_is_lossless_and_accepts_drafts_where_the_output_repeats(arch, k):
     target, _ = tiny_pair(arch)
     model = SpecModel.from_pretrained(target, SAConfig(max_draft_len=k), max_batch_size=3)

@@ -11,7 +11,7 @@ from tllm_spec.spec_model import SpecModel
 from ..drafts.test_sa import PROMPTS as SA_PROMPTS
 from ..models import hf_greedy, tiny_draft_lm, tiny_pair
 from ..test_mtp_lossless import mtp_target
-from .test_engine_gpu import MAX_NEW, PROMPTS
+from .test_engine_gpu import MAX_NEW, PROMPTS, assert_no_host_sync_in_generation_steps
 
 pytestmark = pytest.mark.cuda
 
@@ -94,25 +94,7 @@ def test_the_step_compiled_whole_is_lossless(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["self_draft", "sa", "eagle3+sa"])
 def test_no_host_sync_inside_the_generation_step(kind):
-    _, model = build(kind, 3, enforce_eager=True)
-    model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))  # warm-up: allocations
-    original, step, calls = model.runner.model.forward, model.runner.step, []
-
-    def strict_forward(*args):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return original(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    def generation_only(ids, positions, slots, drafts, params, context_lens, *rest, **kw):
-        calls.append(bool(context_lens))
-        model.runner.model.forward = original if context_lens else strict_forward  # prompts plan on the host
-        return step(ids, positions, slots, drafts, params, context_lens, *rest, **kw)
-
-    model.runner.step = generation_only
-    model.generate(SA_PROMPTS[:2], SamplingParams(max_new_tokens=16))
-    assert calls.count(False) >= 3
+    assert_no_host_sync_in_generation_steps(build(kind, 3, enforce_eager=True)[1], SA_PROMPTS[:2])
 
 
 @pytest.mark.parametrize("kind", ["draft_lm", "sa"])

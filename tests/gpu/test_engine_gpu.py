@@ -73,8 +73,14 @@ def test_forced_acceptance_inside_graph(monkeypatch):
 
 def test_no_host_sync_inside_generation_step():
     _, model = _model("llama", 3, torch.float32, eager=True)
-    model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))  # warm-up: JIT, allocations
-    original = model.runner.model.forward
+    assert_no_host_sync_in_generation_steps(model, PROMPTS[:2])
+
+
+def assert_no_host_sync_in_generation_steps(model, prompts) -> None:
+    """Generate with CUDA's sync debug mode raising inside every generation-only step's forward (prompt steps may
+    plan on the host); at least three such steps run."""
+    model.generate(prompts, SamplingParams(max_new_tokens=4))  # warm-up: JIT, allocations
+    original, step, calls = model.runner.model.forward, model.runner.step, []
 
     def strict_forward(*args):
         torch.cuda.set_sync_debug_mode("error")
@@ -83,20 +89,13 @@ def test_no_host_sync_inside_generation_step():
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    model.runner.model.forward = strict_forward
-    calls = []
-    step = model.runner.step
-
-    def generation_only(ids, positions, slots, drafts, params, context_lens, *draft_lens):
+    def generation_only(ids, positions, slots, drafts, params, context_lens, *rest, **kw):
         calls.append(bool(context_lens))
-        if context_lens:  # prefill is allowed to plan on the host
-            model.runner.model.forward = original
-        else:
-            model.runner.model.forward = strict_forward
-        return step(ids, positions, slots, drafts, params, context_lens, *draft_lens)
+        model.runner.model.forward = original if context_lens else strict_forward
+        return step(ids, positions, slots, drafts, params, context_lens, *rest, **kw)
 
     model.runner.step = generation_only
-    model.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))
+    model.generate(prompts, SamplingParams(max_new_tokens=16))
     assert calls.count(False) >= 3
 
 
