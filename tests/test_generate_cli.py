@@ -79,6 +79,8 @@ def config_args(config: Path, target: Path) -> tuple[list[str], str]:
     args = ["--config", str(config), "--target", str(target)]
     if cfg.spec_config is not None and cfg.spec_config.decoding_type == "eagle3":
         args += ["--draft", str(target.parent / "head")]
+    if cfg.spec_config is not None and cfg.spec_config.decoding_type == "draft_target":
+        args += ["--draft-model", str(target)]  # the tiny target drafting for itself
     if cfg.engine.tensor_parallel_size > 1:  # one process here; TP runs are tests/test_tensor_parallel.py's
         args += ["--tensor-parallel-size", "1"]
     return args, "w5 w17 w3"
