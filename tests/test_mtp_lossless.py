@@ -1,13 +1,16 @@
 """MTP lossless greedy: vanilla MTP and MTP-Eagle output == the target's own greedy output (HF generate).
 
 Tiny random Llama / Qwen2 targets carry 3 random MTP modules appended to their checkpoint in one of the
-public layouts (an extra safetensors shard + index, as real checkpoints do), loaded through the real loader.
+public layouts (an extra safetensors shard + index, as real checkpoints do), loaded through the real loader;
+a tiny GLM-4.5-style MoE target (tests/drafts/test_mtp_moe.py) carries MoE MTP modules, experts stored one tensor
+per expert.
 """
 import functools
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.mtp.checkpoint import LAYOUTS
@@ -16,6 +19,7 @@ from tllm_spec.model.layers import DecoderLayer
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.random_models import save_random_target, target_config
 
+from .drafts.test_mtp_moe import glm4_moe_config
 from .models import hf_greedy
 
 PROMPTS = [[5, 17, 3, 44, 9, 2, 71], [12, 8], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7, 8, 9], [33, 34, 35, 36],
@@ -33,7 +37,8 @@ MODES = {  # name -> MTPConfig
 @functools.cache
 def mtp_target(arch: str, layout: str, vocab_size: int = 97) -> Path:
     root = Path(tempfile.mkdtemp(prefix=f"tllm_spec_mtp_{arch}_{layout}_"))
-    save_random_target(root, target_config(arch, vocab_size=vocab_size), seed=0)
+    config = glm4_moe_config(vocab_size) if arch == "glm4_moe" else target_config(arch, vocab_size=vocab_size)
+    save_random_target(root, config, seed=0)
     save_random_mtp_weights(root, 3, layout, seed=1)
     return root
 
@@ -56,6 +61,16 @@ def test_greedy_lossless_batch3(arch, mode):
     outs = check_lossless(target, model, PROMPTS[:3], MAX_NEW[:3])
     assert outs.stats["steps"] > 0 and model.max_draft_len == MODES[mode].num_draft_tokens
     assert all(isinstance(m.block, DecoderLayer) for m in model.worker.draft_model.mtp_modules)  # fused blocks
+
+
+@pytest.mark.parametrize("mode", ["vanilla1", "vanilla3", "eagle_k3"])
+def test_greedy_lossless_moe_blocks(mode):
+    """GLM-4.5 layout: a MoE target (layer 0 dense) and MoE MTP blocks; an 8-token vocabulary so that drafts are
+    sometimes accepted and sometimes not."""
+    target = mtp_target("glm4_moe", "deepseek", vocab_size=8)
+    model = SpecModel.from_pretrained(target, MODES[mode], max_batch_size=3, device="cpu", dtype=torch.float32)
+    outs = check_lossless(target, model, [[t % 8 for t in p] for p in PROMPTS[:3]], MAX_NEW[:3])
+    assert {n for o in outs for n in o.stats.accepted_per_step} >= {1, 2}
 
 
 @pytest.mark.parametrize("mode", ["vanilla3", "eagle_k3"])

@@ -5,10 +5,11 @@ transformers reads the DeepSeek-layout MTP weights with its own loader (``MtpMod
 modules and keeps its own MTP cache. Its drafts must equal ours, step by step, with the default
 ``mtp_hidden_feedback`` (``"post_norm"``, what real checkpoints were trained with).
 
-Its DeepSeek-V3 / GLM-4-MoE configs always build MoE MTP blocks (``get_mtp_config`` sets
-``first_k_dense_replace = 0``), which tllm_spec refuses, so the target here is a dense Llama whose
-checkpoint carries DeepSeek-layout MTP weights; transformers finds them through the patterns a model lists in
-``_keys_to_ignore_on_load_unexpected`` (Llama lists none), which the test sets on the instance.
+Two targets: a dense Llama whose checkpoint carries DeepSeek-layout MTP weights, and a tiny GLM-4.5-style MoE
+target (its MTP block a MoE block, experts stored one tensor per expert, which transformers fuses with its own
+converter). transformers finds the MTP weights through the patterns a model lists in
+``_keys_to_ignore_on_load_unexpected`` (Llama lists none; GLM lists the real checkpoints' MTP layers 46 and 92),
+which the test sets on the instance.
 """
 import functools
 import tempfile
@@ -22,6 +23,8 @@ from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.mtp.model import save_random_mtp_weights
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.random_models import save_random_target, target_config
+
+from .test_mtp_moe import glm_target
 
 candidate_generator = pytest.importorskip("transformers.generation.candidate_generator")
 if not hasattr(candidate_generator, "MTPCandidateGenerator"):
@@ -84,3 +87,13 @@ def test_drafts_equal_transformers_use_mtp(prompt, num_modules, monkeypatch):
     assert our_drafts(target, vanilla, prompt)[:len(reference)] == reference
     if num_modules == 1:  # one module, one draft: MTP-Eagle with K = 1 is the same drafter
         assert our_drafts(target, MTPConfig(max_draft_len=1), prompt)[:len(reference)] == reference
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["prompt7", "prompt2"])
+def test_moe_drafts_equal_transformers_use_mtp(prompt, monkeypatch):
+    """GLM-4.5 layout: a MoE MTP block (router with correction bias, 8 experts, shared expert)."""
+    target, _ = glm_target()
+    reference = transformers_drafts(target, 1, prompt, monkeypatch)
+    assert len(reference) >= 3
+    for cfg in (MTPConfig(use_mtp_vanilla=True), MTPConfig(max_draft_len=1)):
+        assert our_drafts(target, cfg, prompt)[:len(reference)] == reference

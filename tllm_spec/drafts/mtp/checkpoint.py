@@ -14,6 +14,13 @@ Canonical form (what :class:`MTPCheckpoint` holds): per module ``enorm.weight``,
 ``eh_proj.weight`` [H, 2H] reading ``cat(embedding, hidden)``, ``shared_head.norm.weight`` and the block's own
 keys (``self_attn.q_proj.weight``, ``mlp.up_proj.weight``, ...), every norm as a plain ``x̂·w`` weight, plus
 ``shared_head.head.weight`` where the checkpoint has one.
+
+MoE blocks (GLM-4.5, and any block whose experts transformers holds fused): real checkpoints store each expert
+as ``mlp.experts.{e}.{gate,up,down}_proj.weight``; the canonical keys are the block's fused tensors
+``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first, then up) and ``mlp.experts.down_proj`` [E, H, I]
+(read as is where a checkpoint already stores them fused), next to ``mlp.gate.weight`` (the router, [E, H]),
+``mlp.gate.e_score_correction_bias`` [E] (a buffer of the block) and ``mlp.shared_experts.*``. Writing splits
+the experts again. MLA attention (DeepSeek-V3/R1) is refused.
 """
 from __future__ import annotations
 
@@ -39,8 +46,10 @@ _COUNT_FIELD = {"deepseek": "num_nextn_predict_layers", "mimo": "num_nextn_predi
                 "qwen3_next": "mtp_num_hidden_layers"}
 HEAD_KEY = "shared_head.head.weight"  # a module's own output head (DeepSeek layout; often a copy of lm_head)
 _IGNORED = ("embed_tokens.weight",)  # copies of the target's embedding
-_MOE_MLA = (".mlp.experts.", ".mlp.shared_experts.", ".mlp.gate.weight", "q_a_proj", "kv_a_proj_with_mqa",
-            "kv_b_proj", "e_score_correction_bias")
+_MLA = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")  # one expert's matrix
+_FUSED_EXPERTS_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")  # all experts' [E, *, *]
 _DEEPSEEK_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _MIMO_RE = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 _QWEN3_NEXT_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -74,7 +83,7 @@ def load_mtp_checkpoint(path: str | Path, num_target_layers: int, num_modules: i
     """Read the first ``num_modules`` MTP modules from a checkpoint directory (the target's, or a separate one).
 
     Only the MTP tensors are read (sharded ``model.safetensors.index.json`` supported). Raises ValueError naming
-    the tensor for malformed checkpoints, NotImplementedError for MoE / MLA blocks.
+    the tensor for malformed checkpoints, NotImplementedError for MLA blocks.
     """
     root = Path(path)
     files = _tensor_files(root)
@@ -89,12 +98,14 @@ def load_mtp_checkpoint(path: str | Path, num_target_layers: int, num_modules: i
             key = _canonical_key(layout, name, num_target_layers)
             if key not in _IGNORED:
                 wanted[name] = (owner, key)
-    _refuse_moe_mla(wanted)
+    _refuse_mla(wanted)
     tensors = _read(files, list(wanted))
     modules: list[dict[str, torch.Tensor]] = [{} for _ in range(num_modules)]
     for name, (owner, key) in wanted.items():
         for i in range(num_modules) if owner is None else (owner,):
             modules[i][key] = _to_canonical(layout, key, tensors[name])
+    modules = [_fused_experts(state, lambda key, i=i: disk_name(layout, i, key, num_target_layers))
+               for i, state in enumerate(modules)]
     return MTPCheckpoint(layout, num_target_layers, modules)
 
 
@@ -102,7 +113,8 @@ def save_mtp_weights(target_dir: str | Path, modules: list[dict[str, torch.Tenso
                      num_target_layers: int | None = None) -> None:
     """Append canonical MTP modules to a checkpoint directory the way real checkpoints carry them: one extra
     safetensors shard, the shard index (created if the directory had a single ``model.safetensors``) and the
-    layout's module count in config.json (when there is one). ``num_target_layers`` defaults to config.json."""
+    layout's module count in config.json (when there is one); MoE experts one tensor per expert and projection.
+    ``num_target_layers`` defaults to config.json."""
     root = Path(target_dir)
     root.mkdir(parents=True, exist_ok=True)
     config_file = root / "config.json"
@@ -112,7 +124,7 @@ def save_mtp_weights(target_dir: str | Path, modules: list[dict[str, torch.Tenso
         raise ValueError(f"{root}: num_target_layers not given and no config.json with num_hidden_layers")
     tensors: dict[str, torch.Tensor] = {}
     for i, state in enumerate(modules):
-        for key, value in state.items():
+        for key, value in _per_expert(state).items():
             name, value = disk_name(layout, i, key, num_layers), _to_disk(layout, key, value).contiguous().clone()
             if name in tensors and not torch.equal(tensors[name], value):
                 raise ValueError(f"{name}: shared by every module in the {layout} layout, but module {i} differs")
@@ -131,7 +143,7 @@ def _tensor_files(root: Path) -> dict[str, Path]:
     if single.is_file():
         try:
             with safe_open(str(single), framework="pt") as f:
-                return {k: single for k in f.keys()}
+                return {k: single for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"{single}: not a readable safetensors file ({exc})") from exc
     raise ValueError(f"{root}: neither model.safetensors nor model.safetensors.index.json found (MTP weights are "
@@ -190,12 +202,68 @@ def _read(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _refuse_moe_mla(names) -> None:
+def _refuse_mla(names) -> None:
     for name in names:
-        if any(marker in name for marker in _MOE_MLA):
-            raise NotImplementedError(
-                f"{name}: MoE / MLA MTP blocks (DeepSeek-V3/R1, GLM-4.5 MoE) are not supported; tllm_spec builds "
-                "MTP blocks from a dense target's decoder layer")
+        if any(marker in name for marker in _MLA):
+            raise NotImplementedError(f"{name}: MLA attention MTP blocks (DeepSeek-V3/R1) are not supported yet "
+                                      "(a later issue)")
+
+
+def _fused_experts(state: dict[str, torch.Tensor], name_of) -> dict[str, torch.Tensor]:
+    """``state`` with each block's per-expert ``{p}.{e}.{gate,up,down}_proj.weight`` ([I, H], [I, H], [H, I]) as
+    ``{p}.gate_up_proj`` [E, 2I, H] (gate rows first) and ``{p}.down_proj`` [E, H, I]. E is the router's row count
+    (the sibling ``gate.weight`` [E, H]), else the highest expert id + 1; a missing expert tensor is refused naming
+    it (``name_of(key)``: its on-disk name)."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for key, value in state.items():
+        if m := _EXPERT_RE.match(key):
+            groups.setdefault(m.group(1), {})[int(m.group(2)), m.group(3)] = value
+        else:
+            out[key] = value
+    for prefix, experts in groups.items():
+        router = state.get(prefix.removesuffix("experts") + "gate.weight")
+        num_experts = router.shape[0] if router is not None else 1 + max(e for e, _ in experts)
+        _check_experts(prefix, experts, num_experts, out, name_of)
+        gate, up, down = (torch.stack([experts[e, proj] for e in range(num_experts)]) for proj in _EXPERT_PROJS)
+        out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = torch.cat([gate, up], dim=1), down
+    return out
+
+
+def _check_experts(prefix: str, experts: dict[tuple[int, str], torch.Tensor], num_experts: int,
+                   fused: dict[str, torch.Tensor], name_of) -> None:
+    """Refuse an incomplete or surplus set of per-expert tensors, or one stored both per expert and fused."""
+    for e in range(num_experts):
+        for proj in _EXPERT_PROJS:
+            if (e, proj) not in experts:
+                raise ValueError(f"{name_of(f'{prefix}.{e}.{proj}.weight')}: required MTP expert tensor missing "
+                                 f"from the checkpoint ({num_experts} experts)")
+    surplus = sorted(k for k in experts if k[0] >= num_experts)
+    if surplus:
+        e, proj = surplus[0]
+        raise ValueError(f"{name_of(f'{prefix}.{e}.{proj}.weight')}: expert {e} beyond the router's "
+                         f"{num_experts} experts")
+    both = [k for k in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj") if k in fused]
+    if both:
+        raise ValueError(f"{name_of(both[0])}: the experts are stored both fused and one tensor per expert")
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_fused_experts`: fused expert tensors as one [I, H] / [H, I] tensor per expert."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        m = _FUSED_EXPERTS_RE.match(key)
+        if m is None or value.dim() != 3:
+            out[key] = value
+            continue
+        prefix = m.group(1)
+        if m.group(2) == "down_proj":
+            out.update({f"{prefix}.{e}.down_proj.weight": w for e, w in enumerate(value)})
+            continue
+        gate, up = value.chunk(2, dim=1)
+        for e in range(value.shape[0]):
+            out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate[e], up[e]
+    return out
 
 
 def _canonical_key(layout: str, name: str, num_layers: int) -> str:

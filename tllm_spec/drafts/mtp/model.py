@@ -1,7 +1,8 @@
 """MTP modules: ``x = eh_proj(cat(enorm(emb(t_{i+1})), hnorm(h_i)))`` -> a decoder block of the target's own
 class (its own KV layer) -> ``shared_head.norm`` -> the module's own ``shared_head.head`` when its checkpoint has
 a distinct one (Step-3.5-style per-module heads), else the target's ``lm_head``. Embedding and rotary embedding
-are the target's."""
+are the target's. The block is whatever the target's class builds at layer L + i: a MoE block for GLM-4.5 (its
+``first_k_dense_replace`` dense layers come first), a dense one for Llama-like targets."""
 from __future__ import annotations
 
 import copy
@@ -53,14 +54,15 @@ class MTPModule(nn.Module):
         return (out[0] if isinstance(out, tuple) else out)[0]  # transformers < 5 returned a tuple
 
     def canonical_state(self) -> dict[str, torch.Tensor]:
-        """Weights under canonical checkpoint keys (block keys without the ``block.`` prefix); a module whose
-        block is fused (inference) has no canonical keys."""
+        """Weights and persistent buffers (a MoE router's ``e_score_correction_bias``) under canonical checkpoint
+        keys (block keys without the ``block.`` prefix); a module whose block is fused (inference) has none."""
         if isinstance(self.block, DecoderLayer):
-            raise ValueError("canonical MTP keys name the stock block's tensors; this module's block is fused")
+            raise ValueError(  # noqa: TRY004 (a fused block is a valid module, in the wrong state for this)
+                "canonical MTP keys name the stock block's tensors; this module's block is fused")
         return {k.removeprefix("block."): v for k, v in self.state_dict().items()}
 
     def load_canonical(self, state: dict[str, torch.Tensor], name_of) -> None:
-        """Copy canonical weights in; ``name_of(key)`` is the on-disk name used in error messages."""
+        """Copy canonical weights and buffers in; ``name_of(key)`` is the on-disk name used in error messages."""
         expected = self.canonical_state()
         for key, param in expected.items():
             if key not in state:
@@ -105,9 +107,8 @@ class MTPDraftModel(nn.Module):
             with torch.device(device):
                 module = MTPModule(config, layer_cls, norm_cls, target.num_layers + i,
                                    state[HEAD_KEY].shape[0] if HEAD_KEY in state else None)
-            check_dense_block(module)
             module.load_canonical(state, lambda key, i=i: ckpt.disk_name(i, key))
-            mtp_modules.append(module.to(dtype=dtype).eval())
+            mtp_modules.append(_cast(module, dtype, target.hf._keep_in_fp32_modules_strict).eval())
         return cls(mtp_modules, target.decoder.embed_tokens, target.lm_head, target.decoder.rotary_emb,
                    mtp_hidden_feedback)
 
@@ -141,7 +142,7 @@ class MTPDraftModel(nn.Module):
     def compute_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [M, H] -> target-vocabulary logits [M, V] fp32, through the module's own head if any."""
         shared_head = self.mtp_modules[module].shared_head
-        head = shared_head["head"] if "head" in shared_head else self.lm_head
+        head = shared_head["head"] if "head" in shared_head else self.lm_head  # noqa: SIM401 (ModuleDict has no get)
         return head(shared_head["norm"](hidden)).float()
 
     def feedback(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,8 @@ class MTPDraftModel(nn.Module):
 def check_dense_target(config: PretrainedConfig, norm_cls: type[nn.Module]) -> None:
     """Refuse targets whose MTP blocks this module cannot build correctly."""
     if getattr(config, "kv_lora_rank", None):
-        raise NotImplementedError(f"{config.model_type}: MLA attention (kv_lora_rank) MTP blocks are not supported")
+        raise NotImplementedError(f"{config.model_type}: MLA attention (kv_lora_rank) MTP blocks are not supported "
+                                  "yet (a later issue)")
     probe = norm_cls(4, eps=1e-6)
     with torch.no_grad():
         probe.weight.zero_()
@@ -162,9 +164,11 @@ def check_dense_target(config: PretrainedConfig, norm_cls: type[nn.Module]) -> N
 
 
 def check_dense_block(module: MTPModule) -> None:
+    """Draft training starts a block from the target's last layer and has only been built for dense blocks; MoE
+    MTP modules load for inference (:meth:`MTPDraftModel.from_checkpoint`) but are not trained."""
     if any("experts" in name for name, _ in module.block.named_modules()):
         raise NotImplementedError(f"{type(module.block).__name__} at layer {module.kv_layer} is a MoE block; "
-                                  "MoE MTP blocks are not supported")
+                                  "training MoE MTP modules is not supported")
 
 
 def decoder_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Module]]:
@@ -177,9 +181,11 @@ def decoder_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.
 
 def random_mtp_modules(config: PretrainedConfig, num_modules: int, seed: int = 0, scale: float = 1.0,
                        own_head: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Canonical float32 weights of ``num_modules`` random MTP modules for a ``config`` target: matrices
-    N(0, (0.5 / sqrt(fan_in))^2) times ``scale`` (> 1 sharpens attention), norms 1 + N(0, 0.1^2), biases
-    N(0, 0.02^2); ``own_head`` adds a random ``shared_head.head`` per module."""
+    """Canonical float32 weights of ``num_modules`` random MTP modules for a ``config`` target: matrices (MoE
+    experts' [E, out, in] too, and the router) N(0, (0.5 / sqrt(fan_in))^2) times ``scale`` (> 1 sharpens
+    attention), fan_in the last dim; norms 1 + N(0, 0.1^2); biases N(0, 0.02^2), a router's
+    ``e_score_correction_bias`` too (enough to change the chosen experts of about 1 token in 10); ``own_head``
+    adds a random ``shared_head.head`` per module."""
     layer_cls, norm_cls = decoder_classes(config)
     g = torch.Generator().manual_seed(seed)
     states = []
@@ -205,6 +211,17 @@ def save_random_mtp_weights(target_dir: str | Path, num_modules: int, layout: st
         states = [{**s, **{k: states[0][k] for k in OWN_KEYS}} for s in states]
     save_mtp_weights(target_dir, states, layout)
     return states
+
+
+def _cast(module: MTPModule, dtype: torch.dtype, keep_fp32: set[str]) -> MTPModule:
+    """``module``'s floating tensors in ``dtype``, except at 16-bit dtypes those the target's class keeps in fp32
+    (``keep_fp32``: its ``_keep_in_fp32_modules_strict`` name fragments, GLM's router ``gate.weight`` and
+    ``e_score_correction_bias``), which stay as read, as transformers loads the target's own layers."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        keep = dtype in (torch.float16, torch.bfloat16) and any(fragment in name for fragment in keep_fp32)
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if keep else dtype)
+    return module
 
 
 def _without_copied_head(state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, name: str
