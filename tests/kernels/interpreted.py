@@ -9,6 +9,7 @@ import torch
 from tllm_spec import kernels
 from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import attention_plan as plan_module
+from tllm_spec.kernels import fused_moe as moe_module
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
@@ -242,6 +243,45 @@ def _rotary_case(tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype)
     assert torch.equal(out, rotary_module.rotary_ref(x, cos, sin))
 
 
+def _moe_align_case(num_tokens: int, top_k: int, num_experts: int, block_m: int, dtype: torch.dtype) -> None:
+    """The one-program sort against the reference, to the bit (both are stable): half the pairs on expert 1 (a
+    group of several blocks), the upper half of the experts idle, one id of no expert here (left out)."""
+    g = torch.Generator().manual_seed(num_tokens * 7 + top_k + num_experts + block_m)
+    ids = torch.randint(0, max(1, num_experts // 2), (num_tokens, top_k), generator=g)
+    ids = torch.where(torch.rand(num_tokens, top_k, generator=g) < 0.5, 1, ids)
+    ids[num_tokens // 2, 0] = num_experts
+    ids = ids.to(dtype)
+    for out, ref in zip(moe_module.moe_align(ids, num_experts, block_m),
+                        moe_module.moe_align_ref(ids, num_experts, block_m)):
+        assert torch.equal(out, ref), (out, ref)
+
+
+def _fused_moe_case(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                    tiles: moe_module.MoeTiles | None) -> None:
+    """Both GEMMs over the aligned blocks against the reference: H = 40, I = 24 (K and column tails), k distinct
+    experts a token; ``tiles``: 64-row blocks of 16-wide tiles (several K steps, two column blocks, mostly padding)
+    instead of the launch's own choice. bf16 rounds where the reference rounds, so only the sums' order may differ:
+    an ulp at most (equal to the bit in these cases)."""
+    g = torch.Generator().manual_seed(num_tokens * 5 + top_k + num_experts)
+    hidden, inter = 40, 24
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]).int()
+    chosen = moe_module.tile_config
+    if tiles is not None:
+        moe_module.tile_config = lambda *args: tiles
+    try:
+        out = moe_module.fused_moe(x, gate_up, down, weights, ids)
+    finally:
+        moe_module.tile_config = chosen
+    ref = moe_module.fused_moe_ref(x, gate_up, down, weights, ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 2 ** -8}
+    torch.testing.assert_close(out, ref, **tol)
+
+
 def _engine_cases() -> None:
     """Greedy decoding with every attention call on the interpreted kernels equals HF generate: the flat
     layout keeps the promise the kernels rely on (runs of K+1 tokens of one request; MTP windows write
@@ -303,6 +343,17 @@ def main() -> None:
                                                                                            torch.float32]):
         _rotary_case(tokens, num_heads, head_dim, dtype)
         print(f"ok rotary tokens={tokens} heads={num_heads} d={head_dim} {dtype}")
+    moe_shapes = [(1, 1, 8), (1, 8, 64), (3, 2, 8), (100, 2, 8), (25, 8, 64), (200, 1, 64)]
+    for (num_tokens, top_k, num_experts), block_m, dtype in itertools.product(
+            moe_shapes + [(512, 8, 512)], [16, 64], [torch.int32, torch.int64]):
+        _moe_align_case(num_tokens, top_k, num_experts, block_m, dtype)
+        print(f"ok moe_align tokens={num_tokens} k={top_k} experts={num_experts} block_m={block_m} {dtype}")
+    small_tiles = moe_module.MoeTiles(64, (16, 16, 4, 1), (16, 16, 4, 1))
+    for (num_tokens, top_k, num_experts), dtype, tiles in itertools.product(
+            moe_shapes, [torch.float32, torch.bfloat16], [None, small_tiles]):
+        _fused_moe_case(num_tokens, top_k, num_experts, dtype, tiles)
+        print(f"ok fused_moe tokens={num_tokens} k={top_k} experts={num_experts} {dtype} "
+              f"tiles={'small' if tiles else 'chosen'}")
     _engine_cases()
 
 
