@@ -14,8 +14,19 @@ from tllm_spec.drafts.eagle3.checkpoint import save_eagle3_checkpoint
 from tllm_spec.tools.random_models import random_head_for, save_random_target, target_config
 
 _ROOT = Path(tempfile.mkdtemp(prefix="tllm_spec_tests_"))
-ARCH_DIALECT = {"llama": "eagle", "qwen2": "speculators", "qwen3": "angelslim", "mistral": "eagle"}
-ARCH_OVERRIDES = {"mistral": {"sliding_window": 7}, "qwen2": {}, "qwen3": {"head_dim": 32}, "llama": {}}
+ARCH_DIALECT = {"llama": "eagle", "qwen2": "speculators", "qwen3": "angelslim", "mistral": "eagle",
+                "qwen3_moe": "angelslim", "glm4_moe": "eagle", "mixtral": "speculators"}
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "mixtral")
+ARCH_OVERRIDES = {
+    "mistral": {"sliding_window": 7}, "qwen2": {}, "qwen3": {"head_dim": 32}, "llama": {},
+    # mixture of experts: 8 (Mixtral 4) experts of intermediate 32, two per token
+    "qwen3_moe": dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "glm4_moe": dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                     routed_scaling_factor=1.5, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=None),
+}
 
 
 @cache

@@ -117,9 +117,10 @@ class EngineConfig(_Frozen):
                                        f"{ADMISSION_WINDOW_CAP}x this after the first): a burst of arrivals shares "
                                        "one prefill step; 0: start at once")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
-    use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral), "
-                                   "EAGLE-3 heads and MTP modules through tllm_spec's layers with fused q/k/v and "
-                                   "gate/up GEMMs; False: the stock HF modules")
+    use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral; the "
+                                   "MoE families Qwen3-MoE, Mixtral, GLM-4.5), EAGLE-3 heads and MTP modules "
+                                   "through tllm_spec's layers with fused q/k/v and gate/up GEMMs and fused experts; "
+                                   "False: the stock HF modules (for MoE targets only with enforce_eager)")
     compile_step: Literal["auto"] | bool = Field("auto", description="CUDA: torch.compile the step each CUDA "
                                                  "graph captures: whole (acceptance, sampling, draft passes; the "
                                                  "decoder layers one compiled layer each) on a fused single-GPU "

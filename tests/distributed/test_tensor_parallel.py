@@ -116,6 +116,43 @@ def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
         assert [list(top) for top in tops] == [list(top) for top in tp1_outs[0].top_logprobs]
 
 
+def _generate_moe_tp2(target: str, head: str) -> list[list[int]]:
+    from tllm_spec.model.moe import MoE
+
+    model = SpecModel.from_pretrained(target, eagle3(Path(head), 3), max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+    moe = [m for m in model.target.fused.modules() if isinstance(m, MoE)]
+    assert moe and all(m.tp_group is not None and m.gate_up.shape[1] == 2 * m.down.shape[2] == 2 * 32 // WORLD_SIZE
+                       for m in moe)  # the tiny targets' experts are 32 wide
+    return [o.token_ids for o in model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])]
+
+
+@pytest.mark.slow  # three processes of tens of seconds on the 2-core machine
+@pytest.mark.parametrize("arch, layout", [("glm4_moe", "per expert"),
+                                          pytest.param("mixtral", "per expert", marks=pytest.mark.slow),
+                                          pytest.param("qwen3_moe", "fused", marks=pytest.mark.slow)])
+def test_tp2_moe_targets_equal_hf_generate(tmp_path, arch, layout):
+    """Every expert split along its intermediate size (shared experts too, GLM's dense first layer as a dense
+    MLP, the router whole), read from the published per-expert tensors (Mixtral's under block_sparse_moe) or
+    the fused [E, 2I, H] / [E, H, I] ones."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from ..models import tiny_pair
+
+    target, head = tiny_pair(arch)
+    if layout == "fused":
+        fused = tmp_path / "fused"
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.config.save_pretrained(fused)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in model.state_dict())
+        target = fused
+    ranks = run_ranks(_generate_moe_tp2, str(target), str(head))
+    for answer in ranks:
+        assert not (isinstance(answer, tuple) and answer[0] == "error"), answer[1]
+    assert ranks[0] == ranks[1] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+
+
 def _bad_configurations(three_heads: str, target: str, head: str) -> list[str]:
     errors = []
     attempts = [lambda: SpecModel.from_pretrained(target, eagle3(Path(head), 3), tensor_parallel_size=3),

@@ -7,13 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.eagle3 import model as eagle3_module
-from tllm_spec.kernels.rms_norm import rms_norm_op
-from tllm_spec.kernels.skinny_linear import MAX_ROWS, skinny_linear_op
 from tllm_spec.model import layers
 from tllm_spec.spec_model import SpecModel
 

@@ -1,7 +1,6 @@
 """Rejection sampling: emitted tokens follow the target distribution; invariants; end to end."""
 import pytest
 import torch
-from scipy.stats import chi2
 
 from tllm_spec import Eagle3Config, SamplingParams
 from tllm_spec.sampling.rejection import full_vocab_probs, rejection_sample_ref

@@ -106,8 +106,10 @@ def check_shardable(config: PretrainedConfig, size: int) -> None:
         problems.append(f"{heads} attention heads are not divisible by {size}")
     if kv_heads % size and size % kv_heads:
         problems.append(f"{kv_heads} KV heads neither divide nor are divisible by {size}")
-    if config.intermediate_size % size:
-        problems.append(f"intermediate_size {config.intermediate_size} is not divisible by {size}")
+    for field in ("intermediate_size", "moe_intermediate_size"):  # dense layers; each expert (shared ones too)
+        value = getattr(config, field, None)
+        if value and value % size:
+            problems.append(f"{field} {value} is not divisible by {size}")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} does not fit this target: " + "; ".join(problems))
 

@@ -4,15 +4,15 @@ rank never holds the whole checkpoint in host memory) or drawn at random (benchm
 
 What is split (Megatron layout): q/k/v and gate/up by output rows (column-parallel: heads, intermediate),
 o/down by input columns (row-parallel: their outputs are partial sums, all-reduced by the fused layers),
-lm_head by vocabulary rows. Everything else (embedding, norms) is whole on every rank. KV heads are split,
-or replicated when there are fewer of them than ranks. A row-parallel bias is kept on rank 0 only (added
-once by the all-reduce).
+lm_head by vocabulary rows; mixture-of-experts layers as :mod:`.experts` says (every expert's slice of its
+intermediate dimension, the router whole). Everything else (embedding, norms) is whole on every rank. KV heads
+are split, or replicated when there are fewer of them than ranks. A row-parallel bias is kept on rank 0 only
+(added once by the all-reduce).
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,21 +20,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from .experts import Shard, disk_reads, expert_shard, num_experts
 from .parallel import TensorParallel
 
 _COLUMN = re.compile(r"\.(self_attn\.(?P<attn>[qkv])_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(?P<kind>weight|bias)$")
 LM_HEAD = "lm_head.weight"
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor; ``zero`` = a row-parallel bias off rank 0."""
-
-    dim: int
-    start: int
-    stop: int
-    zero: bool = False
 
 
 def shard_of(name: str, config: PretrainedConfig, parallel: TensorParallel) -> Shard | None:
@@ -45,6 +36,9 @@ def shard_of(name: str, config: PretrainedConfig, parallel: TensorParallel) -> S
     if name == LM_HEAD:
         rows = parallel.padded_vocab(config.vocab_size)
         return Shard(0, parallel.rank * rows, (parallel.rank + 1) * rows)
+    experts = expert_shard(name, config, parallel.split)
+    if experts is not False:
+        return experts
     column = _COLUMN.search(name)
     if column:
         which = column.group("attn")
@@ -72,19 +66,32 @@ def load_sharded(path: Path, config: PretrainedConfig, dtype: torch.dtype, devic
     hf = _meta_model(config, dtype)
     handles: dict[str, object] = {}
 
-    def read(name: str, shard: Shard | None) -> torch.Tensor:
+    def read_one(name: str, shard: Shard | None) -> torch.Tensor:
         if name not in files:
             raise ValueError(f"{path}: tensor {name!r} is missing from the safetensors files")
         if files[name] not in handles:
             handles[files[name]] = safe_open(str(path / files[name]), framework="pt", device="cpu")
         part = handles[files[name]].get_slice(name)
         if shard is None:
-            tensor = part[:]
-        elif shard.dim == 0:
-            tensor = part[shard.start:min(shard.stop, part.get_shape()[0])]
-        else:
-            tensor = part[:, shard.start:shard.stop]
-        return tensor.to(device=device, dtype=dtype)
+            return part[:]
+        before = (slice(None),) * shard.dim
+        return torch.cat([part[(*before, slice(a, b))] for a, b in shard.ranges(part.get_shape()[shard.dim])],
+                         dim=shard.dim)
+
+    def read(name: str, shard: Shard | None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        try:
+            reads = disk_reads(name, shard, files, num_experts(config))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if reads is None:
+            tensor = read_one(name, shard)
+        elif len(reads) == 1:  # the same tensor under another name
+            tensor = read_one(*reads[0])
+        else:  # one tensor per expert and projection: gate|up rows per expert, then the experts stacked
+            per_expert = len(reads) // num_experts(config)
+            parts = [read_one(*r) for r in reads]
+            tensor = torch.stack([torch.cat(parts[i:i + per_expert]) for i in range(0, len(parts), per_expert)])
+        return tensor.to(device=device, dtype=as_dtype)
 
     _materialize(hf, config, parallel, device, read, tied=LM_HEAD not in files)
     return hf
@@ -98,10 +105,12 @@ def random_sharded(config: PretrainedConfig, dtype: torch.dtype, device: torch.d
     shapes = {name: p.shape for name, p in hf.named_parameters(remove_duplicate=False)}
     index = {name: i for i, name in enumerate(shapes)}
 
-    def draw(name: str, shard: Shard | None) -> torch.Tensor:
+    def draw(name: str, shard: Shard | None, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        if name not in shapes:  # a persistent buffer (GLM's routing bias)
+            return torch.zeros(hf.get_buffer(name).shape, dtype=as_dtype, device=device)
         shape = list(shapes[name])
         if shard is not None:
-            shape[shard.dim] = min(shard.stop, shape[shard.dim]) - shard.start
+            shape[shard.dim] = shard.size(shape[shard.dim])
         generator = torch.Generator(device).manual_seed(seed * 100_003 + index[name] * 17 +
                                                         (parallel.rank if shard is not None else 0))
         if len(shape) == 1:
@@ -132,6 +141,9 @@ def _materialize(hf: PreTrainedModel, config: PretrainedConfig, parallel: Tensor
             if shard is not None and shard.zero:
                 tensor = torch.zeros_like(tensor)
             module._parameters[param_name] = nn.Parameter(tensor, requires_grad=False)
+        for buffer_name, buffer in list(module._buffers.items()):  # checkpoint buffers (not rotary tables)
+            if buffer is not None and buffer.is_meta and buffer_name not in module._non_persistent_buffers_set:
+                module._buffers[buffer_name] = read(f"{module_name}.{buffer_name}", None, buffer.dtype)
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
     head = hf.get_output_embeddings()

@@ -13,6 +13,7 @@ from ..drafts.metadata import SpecMetadata, sampling_variant
 from ..guided.decoder import GuidedDecoder
 from ..guided.grammar import GrammarCompiler
 from ..model.attention import AttentionMetadata
+from ..model.decoder import is_moe, refuse_unsupported_moe
 from ..model.kv_cache import KVCache
 from ..model.target import TargetModel
 from ..modes import SpeculativeDecodingMode
@@ -59,6 +60,12 @@ class ModelRunner:
             worker.fuse(self.max_positions_per_request)
             self.bind_kv_cache()
         use_graphs = device.type == "cuda" and not engine_config.enforce_eager
+        if is_moe(target.hf):
+            refuse_unsupported_moe(target.hf)
+            if target.fused is None and use_graphs:
+                raise ValueError("use_fused_layers=False runs the stock mixture-of-experts loop, which synchronises "
+                                 "with the host in every layer: no CUDA graph can capture it; keep "
+                                 "use_fused_layers=True, or set enforce_eager=True as well")
         compiles = use_graphs and compile_pays(engine_config.compile_step, target)
         self._compile_whole = compiles and self.compiles_step_whole
         if compiles and not self._compile_whole:

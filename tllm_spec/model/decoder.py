@@ -1,8 +1,10 @@
 """FusedDecoder: the target's decoder stack rebuilt from the stock HF modules with fused projections.
 
 Covers the dense Llama family the README names (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms,
-Mistral with a sliding window) and any checkpoint whose modules have the same shape; other architectures
-return ``None`` from :meth:`FusedDecoder.from_hf` and run through the stock HF modules instead.
+Mistral with a sliding window), the mixture-of-experts families of :mod:`tllm_spec.model.moe` (Qwen3-MoE, Mixtral,
+GLM-4.5 with its partial rotary embedding) and any checkpoint whose modules have the same shape; other
+architectures return ``None`` from :meth:`FusedDecoder.from_hf` and run through the stock HF modules instead
+(except MoE ones, which :func:`refuse_unsupported_moe` refuses: their stock expert loop synchronises with the host).
 """
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ from .. import trace_cache
 from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .layers import COMPILE_OPTIONS, MLP, Attention, DecoderLayer
+from .moe import MoE
+from .moe import unsupported as unsupported_moe
 from .rotary import RotaryTable
 
-_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x̂·w, eps in fp32
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm",
+              "Glm4MoeRMSNorm")  # x̂·w, eps in fp32
+_SLIDING_FROM_CONFIG = ("MistralAttention", "MixtralAttention")  # their window is read from the config
 _ATTENTION_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_KEYS = ("gate_proj", "up_proj", "down_proj")
 
@@ -133,14 +139,53 @@ def _supported_layer(layer: nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None or not all(isinstance(getattr(attn, k, None), nn.Linear) for k in _ATTENTION_KEYS):
         return False
-    if not all(isinstance(getattr(mlp, k, None), nn.Linear) for k in _MLP_KEYS):
+    if not (_is_moe(mlp) and unsupported_moe(mlp) is None or _dense_mlp(mlp)):
         return False
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + [
         getattr(attn, k) for k in ("q_norm", "k_norm") if getattr(attn, k, None) is not None]
-    act = type(getattr(mlp, "act_fn", None)).__name__
     children = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-    return (set(type(n).__name__ for n in norms) <= set(_RMS_NORMS) and act in ("SiLU", "SiLUActivation")
-            and set(dict(layer.named_children())) == children)
+    return set(type(n).__name__ for n in norms) <= set(_RMS_NORMS) and set(dict(layer.named_children())) == children
+
+
+def _dense_mlp(mlp: nn.Module) -> bool:
+    return (all(isinstance(getattr(mlp, k, None), nn.Linear) for k in _MLP_KEYS)
+            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def _is_moe(mlp: nn.Module) -> bool:
+    return getattr(mlp, "experts", None) is not None
+
+
+def is_moe(hf_model: PreTrainedModel) -> bool:
+    """Whether any decoder layer of ``hf_model`` is a mixture of experts."""
+    return any(_is_moe(getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None) or nn.Module())
+               for layer in hf_model.get_decoder().layers)
+
+
+def refuse_unsupported_moe(hf_model: PreTrainedModel) -> None:
+    """Refuse, in one line naming what is missing, a mixture-of-experts target the fused path cannot run: its
+    stock expert loop synchronises with the host on every layer, which a graphed step cannot do (and MoE models
+    are the ones too large to run that slowly). MLA attention (DeepSeek-V3) is named as such."""
+    config = hf_model.config
+    if getattr(config, "kv_lora_rank", None):
+        raise NotImplementedError(f"{config.model_type}: MLA attention (kv_lora_rank) is not supported (the fused "
+                                  "path runs q/k/v attention; MLA is a later addition)")
+    decoder = hf_model.get_decoder()
+    for i, layer in enumerate(decoder.layers):
+        mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        if mlp is None or not _is_moe(mlp):
+            continue
+        reason = unsupported_moe(mlp)
+        if reason is None and not _supported_layer(layer):
+            extra = sorted(set(dict(layer.named_children())) - {"self_attn", "mlp", "input_layernorm",
+                                                                 "post_attention_layernorm"})
+            reason = (f"{type(layer).__name__}: its attention or norms are not the supported kind"
+                      + (f" (extra modules {extra})" if extra else ""))
+        if reason is None and not _supported_rotary(getattr(decoder, "rotary_emb", None)):
+            reason = f"rotary embedding {getattr(decoder.rotary_emb, 'rope_type', None)!r} is not supported"
+        if reason is not None:
+            raise NotImplementedError(f"{type(hf_model).__name__} layer {i}: mixture-of-experts target not supported: "
+                                      f"{reason}")
 
 
 def _supported_rotary(rotary: nn.Module | None) -> bool:
@@ -156,10 +201,11 @@ def fused_layer(layer: nn.Module, index: int, rotary: nn.Module | None) -> Decod
 def _fuse_layer(layer: nn.Module, index: int) -> DecoderLayer:
     attn, mlp = layer.self_attn, layer.mlp
     window = getattr(attn, "sliding_window", None)
-    if window is None and type(attn).__name__ == "MistralAttention":  # Mistral reads it from the config
+    if window is None and type(attn).__name__ in _SLIDING_FROM_CONFIG:
         window = getattr(attn.config, "sliding_window", None)
     fused_attn = Attention.from_linears(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.head_dim, index,
                                         attn.scaling, sliding_window=window, q_norm=getattr(attn, "q_norm", None),
                                         k_norm=getattr(attn, "k_norm", None))
     return DecoderLayer(layer.input_layernorm, fused_attn, layer.post_attention_layernorm,
-                        MLP.from_linears(mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+                        MoE.from_hf(mlp) if _is_moe(mlp) else MLP.from_linears(mlp.gate_proj, mlp.up_proj,
+                                                                                mlp.down_proj))

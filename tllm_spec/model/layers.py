@@ -143,24 +143,36 @@ class Attention(nn.Module):
         """x [N, H_in] -> [N, H] (plus ``residual``, :func:`output_projection`); ``rotary_epilogue``: q and k are
         rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between."""
         q_size, kv_size = self.q_size, self.kv_size
-        if rotary_epilogue and self.q_norm is None:
+        whole = rope[0].shape[-1] == self.head_dim  # else the first features of each head only (GLM-4.5)
+        if rotary_epilogue and self.q_norm is None and whole:
             qkv = linear(x, self.qkv_proj, rope=rope, rotary_cols=q_size + kv_size)
             q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
-        elif self.q_norm is None:  # q and k rotated as one tensor: one kernel; q stays a view for attend
+        elif self.q_norm is None and whole:  # q and k rotated as one tensor: one kernel; q stays a view for attend
             qkv = linear(x, self.qkv_proj)
             qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = eager_kernel(apply_rotary, rotary)(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             qkv = linear(x, self.qkv_proj)
-            q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim))
-            rotate = eager_kernel(apply_rotary, rotary)
-            q, k = rotate(q, *rope), rotate(k, *rope)
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotate_part(q, rope), rotate_part(k, rope)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         kv_layer = self.kv_layer if self.k_cache is None else (self.k_cache, self.v_cache)
         out = attend(kv_layer, q, k, v, attn, self.scale, self.sliding_window)
         return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual)
+
+
+def rotate_part(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [N, heads, D] with its first ``rope``-width features of each head rotated (all of them when the table is
+    D wide; GLM-4.5's partial rotary embedding rotates half), the rest passed through."""
+    rotate = eager_kernel(apply_rotary, rotary)
+    width = rope[0].shape[-1]
+    if width == x.shape[-1]:
+        return rotate(x, *rope)
+    return torch.cat([rotate(x[..., :width], *rope), x[..., width:]], dim=-1)
 
 
 class MLP(nn.Module):
