@@ -5,6 +5,7 @@ Random-weight target of a named shape and a random EAGLE-3 head (no download), o
 TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 
     python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
+    python scripts/benchmark.py --shape qwen3-30b-a3b --batches 1 8 --forced 0 3   # MoE: distinct experts counted
     python scripts/benchmark.py --tree default --batches 1 8 32 --forced 3 --no-hf   # the default static tree
     python scripts/benchmark.py --draft-shape llama-3.2-1b --batches 1 8 --forced 3 --no-hf   # a 1B draft LM
     python scripts/benchmark.py --sa -k 8 --batches 1 --forced 8 --no-hf   # suffix drafting, 8 drafts
@@ -23,12 +24,19 @@ a plot of the phases (.png).
 size, context and mode: no speculation, EAGLE-3 with K of K drafts forced) and, with --attention-backends, the
 verify step's attention alone per backend; writes context.json and context.png into --out.
 
+Mixture-of-experts shapes (qwen3-30b-a3b, glm-4.5-air, mixtral-8x7b): the roofline reads the non-expert weights once
+and, per MoE layer, the distinct experts the step's tokens were routed to, counted in an eager rerun of each point
+(same prompts, forcing and seed): each point's distinct_experts_per_layer and expert_bytes_per_step. HF generate
+runs once per --hf-experts implementation (eager: transformers' stock loop over experts); every point and HF row
+says in ``path`` what ran.
+
 Tensor parallel: every rank runs the same schedule; rank 0 writes the results. The roofline is per GPU (this
 rank's weight and KV bytes over one GPU's bandwidth; communication is not in it).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import tempfile
@@ -42,9 +50,9 @@ from tllm_spec.distributed.parallel import local_process_device
 from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.benchmark import (
+    engine_path,
     force_acceptance,
     format_profile,
-    hf_generate_tokens_per_second,
     measure_bandwidth,
     profile_step,
     run_point,
@@ -58,7 +66,9 @@ from tllm_spec.tools.context_report import (
     plot_context,
     run_context_benchmark,
 )
-from tllm_spec.tools.random_models import SHAPES, random_spec_model
+from tllm_spec.tools.hf_generate import hf_generate_row
+from tllm_spec.tools.random_models import SHAPES, is_moe_shape, random_spec_model
+from tllm_spec.tools.routing import moe_summary
 from tllm_spec.tools.startup import plot_startup, run_startup
 
 
@@ -72,8 +82,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dynamic-tree", type=int, nargs=3, metavar=("TOPK", "DRAFTS", "DEPTH"),
                    help="the head grows a dynamic tree (a random head's trees are shallow: forced acceptance "
                    "stops at the depth they reach)")
-    p.add_argument("--draft-shape", choices=sorted(SHAPES), help="speculate with a random draft LM of this shape "
-                   "(DraftTargetConfig, e.g. llama-3.2-1b for the 8B target) instead of an EAGLE-3 head")
+    p.add_argument("--draft-shape", choices=sorted(s for s in SHAPES if not is_moe_shape(s)),
+                   help="speculate with a random draft LM of this shape (DraftTargetConfig, e.g. llama-3.2-1b for the "
+                   "8B target) instead of an EAGLE-3 head")
     p.add_argument("--sa", action="store_true", help="speculate with suffix-automaton drafting (SAConfig, -k drafts) "
                    "instead of an EAGLE-3 head")
     p.add_argument("--sa-spec", action="store_true", help="the EAGLE-3 head with use_sa_spec (the automaton's drafts "
@@ -84,8 +95,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hf-static-batches", type=int, nargs="*", default=[1], help="HF static-cache baseline here")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--hf-experts", nargs="+", choices=["eager", "grouped_mm", "batched_mm"],
+                   default=["eager", "grouped_mm"], help="MoE shapes: HF generate with each of these transformers "
+                   "experts implementations (eager: the stock loop over experts; grouped_mm: transformers' default)")
     p.add_argument("--compare-eager", action="store_true",
-                   help="also measure no-spec and EAGLE-3 forced K with the stock HF layers (graphed, not compiled) "
+                   help="also measure no-spec and EAGLE-3 forced K with the stock HF layers (graphed, not compiled; "
+                   "eager steps for MoE shapes, whose stock expert loop no graph can capture) "
                    "and with fused layers not compiled, on fresh targets: the gain of each step of the fast path")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target over N GPUs (torchrun "
                    "--nproc-per-node N); HF generate is then skipped")
@@ -105,6 +120,8 @@ def parse_args() -> argparse.Namespace:
     startup.add_argument("--gpu-tests", action="store_true", help="also time pytest tests/gpu from empty caches")
     args = p.parse_args()
     check_context_arguments(p, args)
+    if args.context and is_moe_shape(args.shape):  # context_bench builds its targets as Llama / Qwen3 models
+        p.error(f"--context measures dense shapes only; {args.shape} is a mixture of experts")
     if args.tree and args.dynamic_tree:
         p.error("--tree and --dynamic-tree exclude each other")
     if sum(map(bool, (args.draft_shape, args.sa, args.sa_spec or args.tree or args.dynamic_tree))) > 1:
@@ -161,19 +178,23 @@ def main() -> None:
     k = args.max_draft_len
     forced = args.forced if args.forced is not None else sorted({*range(k + 1), 1.5})
     bandwidth = measure_bandwidth(device)
-    engine = dict(max_batch_size=max(args.batches), max_seq_len=args.prompt_len + args.new_tokens + 8,
-                  kv_cache_fraction=0.2 if args.compare_eager else 0.5, tensor_parallel_size=tp,
-                  tp_all_reduce=args.tp_all_reduce)
+    engine = {"max_batch_size": max(args.batches), "max_seq_len": args.prompt_len + args.new_tokens + 8,
+              "kv_cache_fraction": 0.2 if args.compare_eager else 0.5, "tensor_parallel_size": tp,
+              "tp_all_reduce": args.tp_all_reduce}
     results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
                "tp_all_reduce": args.tp_all_reduce,
                "dtype": "bfloat16",
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None,
-               "spec": spec_name, "spec_fields": spec_fields, "draft_shape": args.draft_shape}
+               "spec": spec_name, "spec_fields": spec_fields, "draft_shape": args.draft_shape,
+               "moe": None}  # routing.moe_summary of the target, once built
     variants, default_models = [("default", {})], None
     if args.compare_eager:  # the default compiles the step where compile_step="auto" finds that it pays
-        variants += [("fused, compiled", dict(compile_step=True)), ("fused, not compiled", dict(compile_step=False)),
-                     ("stock HF layers", dict(use_fused_layers=False, compile_step=False))]
+        stock = {"use_fused_layers": False, "compile_step": False}
+        if is_moe_shape(args.shape):  # the stock expert loop syncs with the host: no graph can capture it
+            stock["enforce_eager"] = True
+        variants += [("fused, compiled", {"compile_step": True}), ("fused, not compiled", {"compile_step": False}),
+                     ("stock HF layers", stock)]
     for name, options in variants:
         if name != "default" and options.get("use_fused_layers", True) and \
                 options.get("compile_step") == default_models[1].runner.graph_runner.compile_step:
@@ -190,8 +211,8 @@ def main() -> None:
         for model in (plain, spec):
             if model.runner.graph_runner is not None:
                 model.runner.graph_runner.capture_all()
-        tqdm.write(f"{name}: built, {'compiled and ' if spec.runner.graph_runner.compile_step else ''}captured in "
-                   f"{time.perf_counter() - start:.1f} s")
+        results["moe"] = results["moe"] or moe_summary(spec.target)
+        tqdm.write(f"{name}: built and prepared ({engine_path(spec)}) in {time.perf_counter() - start:.1f} s")
         jobs = [(b, None, plain) for b in args.batches] + [(b, f, spec) for b in args.batches for f in todo]
         for batch, f, model in tqdm(jobs, desc=f"benchmark ({name})", disable=not first):
             point = run_point(model, batch, args.prompt_len, args.new_tokens, f, bandwidth["gemv"])
@@ -199,9 +220,11 @@ def main() -> None:
             if not first:
                 continue
             (out / "benchmark.json").write_text(json.dumps(results, indent=2))  # partial results survive a crash
+            experts = (f"  experts/layer {point.distinct_experts_per_layer:.1f}"
+                       if point.distinct_experts_per_layer is not None else "")
             tqdm.write(f"{name[:10]:10s} {point.mode:6s} batch {batch:3d} forced {f!s:5s} step "
                        f"{point.step_ms:7.2f} ms {point.tokens_per_second:9.1f} tok/s  roofline "
-                       f"{point.roofline_fraction:5.1%}  host {point.host_ms_per_step:.3f} ms")
+                       f"{point.roofline_fraction:5.1%}  host {point.host_ms_per_step:.3f} ms{experts}")
         if name != "default":
             del spec, plain
             torch.cuda.empty_cache()
@@ -222,13 +245,20 @@ def main() -> None:
 
 
 def hf_baseline(spec: SpecModel, args: argparse.Namespace, results: dict, out: Path) -> None:
+    """HF generate per batch size (dynamic cache) and per --hf-static-batches (static cache), for a MoE target once
+    per --hf-experts implementation; a run that fails is recorded with its error (the others still run)."""
     hf_runs = [] if args.no_hf or args.tensor_parallel_size > 1 else [(b, False) for b in args.batches] + [
         (b, True) for b in args.hf_static_batches]
-    for batch, static in hf_runs:
-        tps = hf_generate_tokens_per_second(spec, batch, args.prompt_len, args.new_tokens, static)
-        results["hf"].append({"batch": batch, "static_cache": static, "tokens_per_second": tps})
+    experts = args.hf_experts if results["moe"] else [None]
+    for (batch, static), impl in itertools.product(hf_runs, experts):
+        try:
+            row = hf_generate_row(spec, batch, args.prompt_len, args.new_tokens, static, impl)
+            tqdm.write(f"{row['path']}, batch {batch}: {row['tokens_per_second']:.1f} tok/s")
+        except Exception as err:  # noqa: BLE001 (e.g. a static cache's compile of the expert loop): kept in the JSON
+            row = {"batch": batch, "static_cache": static, "experts_implementation": impl, "error": repr(err)}
+            tqdm.write(f"HF generate batch {batch} static={static} experts={impl}: failed: {err!r}")
+        results["hf"].append(row)
         (out / "benchmark.json").write_text(json.dumps(results, indent=2))
-        tqdm.write(f"HF generate batch {batch} static={static}: {tps:.1f} tok/s")
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
 
 
@@ -256,21 +286,28 @@ def sweep(spec: SpecModel, args: argparse.Namespace, bandwidth: float, results: 
 def table(results: dict) -> str:
     tp = results.get("tensor_parallel_size", 1)
     gpus = f"{tp} x {results['gpu']} (tensor parallel)" if tp > 1 else results["gpu"]
-    lines = [f"{gpus}, {results['shape']} random weights, bf16, K={results['k']}, prompt "
-             f"{results['prompt_len']}, {results['new_tokens']} new tokens, {results['date']}; GEMV bandwidth "
-             f"{results['bandwidth_bytes_per_s']['gemv'] / 1e12:.2f} TB/s",
-             "| variant | mode | batch | forced drafts | tokens/step | step ms | tok/s | roofline tok/s | of roofline "
-             "| host ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    moe = results.get("moe")
+    lines = [(f"{gpus}, {results['shape']} random weights, bf16, K={results['k']}, prompt "
+              f"{results['prompt_len']}, {results['new_tokens']} new tokens, {results['date']}; GEMV bandwidth "
+              f"{results['bandwidth_bytes_per_s']['gemv'] / 1e12:.2f} TB/s"),
+             ("| variant | mode | batch | forced drafts | tokens/step | step ms | tok/s | roofline tok/s | of roofline "
+              "| host ms |") + (" experts/layer |" if moe else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if moe else "")]
+    if moe:
+        lines.insert(1, f"{moe['num_moe_layers']} MoE layers of {moe['num_experts']} experts, top-{moe['top_k']}: "
+                        "the roofline reads each layer's distinct experts per step (experts/layer)")
     for p in results["points"]:
+        experts = f" {p['distinct_experts_per_layer']:.1f} |" if moe else ""
         lines.append(f"| {p.get('variant', 'default')} | {p['mode']} | {p['batch']} | "
                      f"{p['forced_drafts'] if p['forced_drafts'] is not None else '-'} "
                      f"| {p['tokens_per_step']:.2f} | {p['step_ms']:.2f} | {p['tokens_per_second']:.1f} | "
                      f"{p['roofline_tokens_per_second']:.1f} | {p['roofline_fraction']:.1%} | "
-                     f"{p['host_ms_per_step']:.3f} |")
+                     f"{p['host_ms_per_step']:.3f} |{experts}")
     for h in results["hf"]:
-        lines.append(f"| HF generate{' (static cache)' if h['static_cache'] else ''} | - | {h['batch']} | - | 1 | - | "
-                     f"{h['tokens_per_second']:.1f} | - | - | - |")
+        name = "HF generate" + (" (static cache)" if h["static_cache"] else "") + (
+            f" experts={h['experts_implementation']}" if h.get("experts_implementation") else "")
+        tps = f"{h['tokens_per_second']:.1f}" if "tokens_per_second" in h else "failed"
+        lines.append(f"| {name} | - | {h['batch']} | - | 1 | - | {tps} | - | - | - |" + (" - |" if moe else ""))
     return "\n".join(lines)
 
 
@@ -298,10 +335,12 @@ def plot(results: dict, path: Path) -> None:
         for p in default:
             if p["batch"] == batch and p["mode"] == "none":
                 ax.axhline(p["tokens_per_second"], color="C1", label="no speculation (same engine)")
-        for h in results["hf"]:
+        hf_rows = [h for h in results["hf"] if "tokens_per_second" in h]  # failed runs have none
+        for i, h in enumerate(hf_rows):
             if h["batch"] == batch:
-                ax.axhline(h["tokens_per_second"], color="C2" if h["static_cache"] else "C3", linestyle=":",
-                           label="HF generate" + (" static cache" if h["static_cache"] else ""))
+                ax.axhline(h["tokens_per_second"], color=f"C{2 + i % 8}", linestyle=":",
+                           label="HF generate" + (" static cache" if h["static_cache"] else "") + (
+                               f" ({h['experts_implementation']} experts)" if h.get("experts_implementation") else ""))
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("accepted drafts per step (forced)")
         ax.set_ylabel("tokens / s")

@@ -1,11 +1,34 @@
-"""The roofline byte count of a generation step and the draft-length sweep's arithmetic (the benchmark
-itself runs on a GPU)."""
-import pytest
+"""The roofline byte count of a generation step (a MoE target's with its measured distinct experts), the
+draft-length sweep's arithmetic, a MoE point on the CPU and the CLI's MoE shapes (the benchmark itself runs on a
+GPU; no timing is asserted)."""
+import importlib.util
+import sys
+from pathlib import Path
 
+import pytest
+import torch
+
+from tllm_spec.sampling.forcing import ENV_VAR
 from tllm_spec.spec_model import SpecModel
-from tllm_spec.tools.benchmark import Point, best_schedule, expected_accepted_drafts, step_bytes
+from tllm_spec.tools.benchmark import (
+    Point,
+    best_schedule,
+    eager_steps,
+    expected_accepted_drafts,
+    run_point,
+    step_bytes,
+    to_rows,
+)
+from tllm_spec.tools.random_models import random_spec_model
+from tllm_spec.tools.routing import Routing, moe_layers, routing_of
 
 from ..models import eagle3, tiny_pair
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "benchmark.py"
+
+
+def ids(*rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32)  # [N, k] expert ids
 
 
 def test_step_bytes_counts_weights_once_draft_per_pass_and_kv():
@@ -56,3 +79,82 @@ def test_best_schedule_keeps_the_fastest_length_per_batch_and_merges_repeats():
     points = [point(1, 0, 100), point(1, 3, 300), point(4, 3, 900), point(4, 2, 800),
               point(16, 2, 2000), point(16, 3, 1900), point(64, 2, 5000), point(64, 0, 6000)]
     assert best_schedule(points) == {1: 3, 16: 2, 64: 0}
+
+
+def test_step_bytes_of_a_moe_target_reads_each_layers_distinct_experts_once(tmp_path):
+    """Non-expert weights (attention, routers, norms, shared experts, the dense first layer, lm_head) once, plus per
+    MoE layer the distinct experts of the step: 3 on average here (2 in one step, 4 in the other), not all 8
+    and not top-2 x 4 tokens."""
+    model = random_spec_model("tiny-glm4-moe", "none", 0, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    hf, cfg = model.target.hf, model.target.config  # 8 layers (7 MoE), hidden 64, 2 KV heads x 16, fp32
+    non_expert = sum(p.numel() for n, p in hf.named_parameters() if ".experts." not in n and "embed" not in n)
+    expert_bytes = 4 * (2 * 32 * 64 + 64 * 32)  # gate_up [2I, H] + down [H, I] of one expert
+    logs = [[ids([0, 1], [1, 0]), ids([0, 1], [2, 3])] for _ in range(7)]
+    routing = routing_of(moe_layers(model.target), logs, max_rows=2)
+    kv = 2 * 10 * cfg.num_hidden_layers * 2 * 2 * 16 * 4
+    assert step_bytes(model, batch=2, context_len=10, routing=routing) == 4 * non_expert + 7 * 3 * expert_bytes + kv
+    with pytest.raises(ValueError, match="7 MoE layers"):
+        step_bytes(model, batch=2, context_len=10)
+
+
+def test_run_point_of_a_moe_target_counts_the_experts_its_steps_read(tmp_path, monkeypatch):
+    """Every GLM router made to pick experts 3 and 5 (zero logits, a correction bias on those two): each decoding
+    step reads two experts per MoE layer whatever its tokens, and the point's roofline counts those."""
+    monkeypatch.setenv(ENV_VAR, "")  # run_point forces acceptance: the environment is restored after the test
+    model = random_spec_model("tiny-glm4-moe", "eagle3", 3, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    for layer in moe_layers(model.target):
+        layer.module.router.weight.data.zero_()
+        layer.module.router.e_score_correction_bias.copy_(torch.eye(8)[3] + torch.eye(8)[5])
+    p = run_point(model, batch=2, prompt_len=8, new_tokens=16, forced=3.0, bandwidth=1e12)
+    assert p.distinct_experts_per_layer == 2.0 and p.routing_steps == 4  # 15 tokens after the prompt's, 4 a step
+    assert p.routing_same_tokens
+    assert p.expert_bytes_per_step == 7 * 2 * 4 * (2 * 32 * 64 + 64 * 32)
+    routing = Routing((2.0,) * 7, (4 * (2 * 32 * 64 + 64 * 32),) * 7, 4)
+    assert p.roofline_bytes_per_step == step_bytes(model, 2, 8 + 16 / 2, 3, routing)
+    assert p.path == "tllm_spec engine, fused layers, fused MoE, eager steps"
+    assert to_rows([p])[0]["distinct_experts_per_layer"] == 2.0
+
+
+def test_eager_steps_set_the_graphs_aside_and_give_them_back():
+    target, _ = tiny_pair("llama")
+    model = SpecModel.from_pretrained(target, None, max_batch_size=2)
+    graphs = model.runner.graph_runner = object()  # as a CUDA model holds its graph runner
+    with eager_steps(model):
+        assert model.runner.graph_runner is None
+    assert model.runner.graph_runner is graphs
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "glm-4.5-air", "mixtral-8x7b", "tiny-qwen3-moe"])
+def test_the_cli_takes_the_moe_shapes(script, monkeypatch, shape):
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--shape", shape, "--hf-experts", "eager"])
+    args = script.parse_args()
+    assert args.shape == shape and args.hf_experts == ["eager"]
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--shape", shape])
+    assert script.parse_args().hf_experts == ["eager", "grouped_mm"]
+    for refused in (["--draft-shape", shape],  # a draft LM is a dense model
+                    ["--shape", shape, "--context", "2048"]):  # the long-context run builds dense targets only
+        monkeypatch.setattr(sys, "argv", ["benchmark.py", *refused])
+        with pytest.raises(SystemExit):
+            script.parse_args()
+
+
+def test_the_table_of_a_moe_run_shows_experts_per_layer_and_failed_hf_runs(script):
+    row = {**to_rows([point(1, 3, 100.0)])[0], "distinct_experts_per_layer": 17.25}
+    results = {"gpu": "H100", "shape": "qwen3-30b-a3b", "k": 3, "prompt_len": 128, "new_tokens": 128,
+               "date": "today", "bandwidth_bytes_per_s": {"gemv": 3e12}, "points": [row],
+               "moe": {"num_moe_layers": 48, "num_experts": 128, "top_k": 8},
+               "hf": [{"batch": 1, "static_cache": False, "experts_implementation": "eager", "tokens_per_second": 9.0},
+                      {"batch": 1, "static_cache": True, "experts_implementation": "eager", "error": "boom"}]}
+    lines = script.table(results).splitlines()
+    assert "48 MoE layers of 128 experts, top-8" in lines[1] and lines[2].endswith("| experts/layer |")
+    assert lines[4].endswith("| 17.2 |")
+    assert "HF generate experts=eager | - | 1 | - | 1 | - | 9.0 |" in lines[5]
+    assert "(static cache) experts=eager" in lines[6] and "| failed |" in lines[6]

@@ -1,17 +1,20 @@
 """Decode-speed measurement against the memory roofline and HF generate, on random-weight models."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 
 from ..config import SamplingParams
+from ..model.moe import MoE
 from ..sampling import flashinfer_ops
 from ..sampling.forcing import ENV_VAR
 from ..spec_model import SpecModel
+from .routing import Routing, moe_layers, routing_logs, routing_of
 
 
 @dataclass
@@ -30,6 +33,12 @@ class Point:
     roofline_tokens_per_second: float
     roofline_fraction: float
     peak_memory_gib: float
+    path: str = ""  # what ran (engine_path): tllm_spec's fused or stock HF layers, CUDA graphs or eager steps
+    # mixture-of-experts targets (None for dense ones), from a counting pass after the timed run (measure_routing)
+    distinct_experts_per_layer: float | None = None  # distinct experts a MoE layer reads per decoding step, mean
+    expert_bytes_per_step: float | None = None  # the expert weights a decoding step reads (in roofline_bytes_per_step)
+    routing_steps: int | None = None  # decoding steps those means are over
+    routing_same_tokens: bool | None = None  # the counting pass generated the timed run's tokens (so its routing)
 
 
 def measure_bandwidth(device: torch.device, gib: float = 2.0) -> dict[str, float]:
@@ -49,23 +58,32 @@ def measure_bandwidth(device: torch.device, gib: float = 2.0) -> dict[str, float
             fn()
         torch.cuda.synchronize(device)
         rates[name] = nbytes * 20 / (time.perf_counter() - start)
-    del weight
     return rates
 
 
-def _param_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> int:
-    skipped = {id(p) for m in skip for p in m.parameters()}
+def _param_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = (),
+                 skip_tensors: tuple[torch.Tensor, ...] = ()) -> int:
+    skipped = {id(p) for m in skip for p in m.parameters()} | {id(t) for t in skip_tensors}
     return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skipped)
 
 
-def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int | None = None) -> float:
+def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int | None = None,
+               routing: Routing | None = None) -> float:
     """Bytes a generation step must read at least: target weights once, draft weights per pass, KV.
     ``draft_len``: the step's drafts (default max_draft_len); with 0 the draft's first pass still reads its
-    layer (it keeps the draft cache whole) but not its lm_head."""
+    layer (it keeps the draft cache whole) but not its lm_head. A mixture-of-experts target reads its other weights
+    once (attention, routers, norms, shared experts, dense layers, lm_head) and, per MoE layer, only the distinct
+    experts the step's tokens were routed to: ``routing`` (:func:`measure_routing`), which such a target needs."""
     target = model.target
+    layers = moe_layers(target)
+    if layers and (routing is None or len(routing.expert_bytes) != len(layers)):
+        raise ValueError(f"the target has {len(layers)} MoE layers: step_bytes needs their measured routing "
+                         f"(measure_routing), got {'none' if routing is None else len(routing.expert_bytes)}")
     embed = target.decoder.embed_tokens
     tied = embed.weight is target.lm_head.weight
-    total = _param_bytes(target.hf, skip=() if tied else (embed,))
+    experts = tuple(t for layer in layers for t in layer.expert_params)
+    total = _param_bytes(target.hf, skip=() if tied else (embed,), skip_tensors=experts)
+    total += routing.bytes_per_step if layers else 0.0
     kv = model.runner.kv_cache
     elem = kv.k[0].element_size()
     per_token_kv = [2 * k.shape[2] * k.shape[3] * elem for k in kv.k]
@@ -83,8 +101,8 @@ def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int 
         total += fc + (k * per_pass if k else _param_bytes(draft.midlayer)) + draft_kv
     elif kind == "draft_target":  # k passes (the catch-up pass and k - 1 one-token ones), each reads every layer
         draft = model.worker.draft_model
-        layers = _param_bytes(draft.decoder, skip=(draft.decoder.embed_tokens,))
-        total += max(k, 1) * layers + k * _param_bytes(draft.lm_head) + draft_kv
+        draft_layers = _param_bytes(draft.decoder, skip=(draft.decoder.embed_tokens,))
+        total += max(k, 1) * draft_layers + k * _param_bytes(draft.lm_head) + draft_kv
     return total  # SA reads no draft weights (its match arrays, a few bytes per position, are not counted)
 
 
@@ -108,24 +126,76 @@ def force_acceptance(model: SpecModel, forced: float | None) -> None:
 
 def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, forced: float | None,
               bandwidth: float, seed: int = 0) -> Point:
-    """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone)."""
+    """Decode ``batch`` random prompts with forcing ``forced`` (None: leave acceptance alone); for a
+    mixture-of-experts target the same run again, eagerly, to count the experts its steps read
+    (:func:`measure_routing`)."""
     force_acceptance(model, forced)
     flashinfer_ops.wait_sampling_build()  # no timing shares the host with FlashInfer's JIT build
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.target.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     model.generate(prompts, params.model_copy(update={"max_new_tokens": 2 * model.max_draft_len + 4}))  # capture
-    torch.cuda.reset_peak_memory_stats(model.device)
-    stats = model.generate(prompts, params, seed=seed).stats
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
+    outputs = model.generate(prompts, params, seed=seed)
+    stats = outputs.stats
+    peak_gib = torch.cuda.max_memory_allocated(model.device) / 2**30 if model.device.type == "cuda" else 0.0
     draft_len = model.runner.draft_len_for(batch)
+    counted = measure_routing(model, prompts, params, seed, batch * (draft_len + 1))
+    routing = counted[0] if counted is not None else None
     per_step = (stats["mean_accepted_length"] if draft_len else 0.0) or 1.0
     step_s = stats["step_ms"] / 1e3
-    bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2, draft_len)
+    bytes_per_step = step_bytes(model, batch, prompt_len + new_tokens / 2, draft_len, routing)
     roofline_tps = batch * per_step * bandwidth / bytes_per_step
     tps = stats["mean_decode_batch"] * per_step / step_s
-    return Point(spec_kind(model), batch, draft_len, forced, stats["step_ms"],
-                 stats["host_ms_per_step"], per_step, tps, bytes_per_step, roofline_tps, tps / roofline_tps,
-                 torch.cuda.max_memory_allocated(model.device) / 2**30)
+    moe = {} if routing is None else {"distinct_experts_per_layer": routing.mean_distinct,
+                                      "expert_bytes_per_step": routing.bytes_per_step,
+                                      "routing_steps": routing.num_steps,
+                                      "routing_same_tokens": counted[1] == [o.token_ids for o in outputs]}
+    return Point(spec_kind(model), batch, draft_len, forced, stats["step_ms"], stats["host_ms_per_step"], per_step,
+                 tps, bytes_per_step, roofline_tps, tps / roofline_tps, peak_gib, engine_path(model), **moe)
+
+
+def measure_routing(model: SpecModel, prompts: list[list[int]], params: SamplingParams, seed: int, max_rows: int
+                    ) -> tuple[Routing, list[list[int]]] | None:
+    """The distinct experts each MoE layer of ``model``'s target reads per decoding step, from a run of ``prompts``
+    with its steps eager (graph replays log no routing), and the token ids that run generated: with the timed run's
+    prompts, forcing and seed they are the timed run's (eager and graphed numerics may still part them), and so is
+    the routing. Forwards of more than ``max_rows`` tokens (batch x (draft_len + 1)) are prompt steps, left out.
+    None for a dense target."""
+    layers = moe_layers(model.target)
+    if not layers:
+        return None
+    with eager_steps(model), routing_logs(layers) as logs:
+        outputs = model.generate(prompts, params, seed=seed)
+    return routing_of(layers, logs, max_rows), [o.token_ids for o in outputs]
+
+
+@contextlib.contextmanager
+def eager_steps(model: SpecModel) -> Iterator[None]:
+    """Inside the block ``model``'s steps run eagerly: its runner holds no graph runner (so it replays no CUDA
+    graph and launches no step ahead; the captured graphs are set aside, not dropped) and torch.compile'd code runs
+    as plain Python. Call it between generate calls (the engine's thread reads the runner at each step)."""
+    runner = model.runner
+    graphs, runner.graph_runner = runner.graph_runner, None
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        runner.graph_runner = graphs
+
+
+def engine_path(model: SpecModel) -> str:
+    """What runs ``model``'s generation steps: tllm_spec's fused layers or the stock HF modules (and, for a
+    mixture-of-experts target, which experts), CUDA graphs (compiled or not) or eager steps."""
+    target, graphs, layers = model.target, model.runner.graph_runner, moe_layers(model.target)
+    parts = ["tllm_spec engine", "fused layers" if target.fused is not None else "stock HF layers"]
+    if layers:
+        parts.append("fused MoE" if isinstance(layers[0].module, MoE) else
+                     f"stock HF experts (experts_implementation={target.hf.config._experts_implementation})")
+    compiled = graphs is not None and (graphs.compile_step or target.compiled)  # whole step or layer by layer
+    parts.append("eager steps" if graphs is None else "CUDA graphs" + (", compiled" if compiled else ""))
+    return ", ".join(parts)
 
 
 def expected_accepted_drafts(draft_len: int, acceptance: float) -> float:
@@ -167,31 +237,6 @@ def best_schedule(points: list[Point]) -> dict[int, int]:
             schedule[1 if i == 0 else batch] = k
             last = k
     return schedule
-
-
-def hf_generate_tokens_per_second(model: SpecModel, batch: int, prompt_len: int, new_tokens: int,
-                                  static_cache: bool) -> float:
-    """HF generate on the same weights (SDPA attention), decode rate from two lengths (prefill cancels)."""
-    hf = model.target.hf
-    hf.set_attn_implementation("sdpa")
-    try:
-        ids = torch.randint(0, model.target.vocab_size, (batch, prompt_len), device=model.device)
-        kwargs = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-        if static_cache:
-            kwargs["cache_implementation"] = "static"
-
-        def timed(n: int) -> float:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
-
-        timed(new_tokens)  # warm-up (and compilation for the static cache)
-        short, full = timed(2), timed(new_tokens)
-        return batch * (new_tokens - 2) / (full - short)
-    finally:
-        hf.set_attn_implementation("tllm_spec")
 
 
 def to_rows(points: list[Point]) -> list[dict]:
@@ -248,9 +293,9 @@ def profile_step(model: SpecModel, batch: int, prompt_len: int, forced: float | 
 
 
 def format_profile(p: dict) -> str:
-    lines = [f"profile {p['mode']} batch {p['batch']} forced {p['forced_drafts']}: "
+    lines = [(f"profile {p['mode']} batch {p['batch']} forced {p['forced_drafts']}: "
              f"{p['total_kernel_us_per_step'] / 1e3:.2f} ms of kernels per step in {p['kernels_per_step']:.0f} "
-             f"launches (graph replay {p['graph_step_ms']:.2f} ms, profiler on)"]
+             f"launches (graph replay {p['graph_step_ms']:.2f} ms, profiler on)")]
     if p["total_kernel_us_per_step"] > 1e3 * p["graph_step_ms"]:
         lines.append("  (kernels launched as programmatic dependents start before the kernel in front ends: each "
                      "one's time includes its wait, so the times overlap and exceed the replay)")

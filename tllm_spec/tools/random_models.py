@@ -1,7 +1,7 @@
 """Random-weight targets and draft heads of a given shape, saved in real checkpoint formats.
 
-Used by the tests (tiny models through the real loaders), the benchmark (Llama-3.1-8B-shaped models
-without a download) and the demo recipe.
+Used by the tests (tiny models through the real loaders), the benchmark (Llama-3.1-8B-, Qwen3-30B-A3B-,
+GLM-4.5-Air- and Mixtral-8x7B-shaped models without a download) and the demo recipe.
 """
 from __future__ import annotations
 
@@ -19,28 +19,71 @@ from ..drafts.eagle3.checkpoint import (
     save_eagle3_checkpoint,
 )
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512}
+TINY_MOE = {**TINY, "head_dim": 16, "vocab_size": 256, "num_experts_per_tok": 2}
 DRAFT_VOCAB_SIZE = 32000  # EAGLE-3 heads for Llama-3.1-8B / Qwen3-8B (e.g. EAGLE3-LLaMA3.1-Instruct-8B)
+# Config fields of each named shape (for a real model's name, its published config.json's); its model type is in
+# MODEL_TYPES (none there: llama). Build one with shape_config: the fields alone name no architecture.
 SHAPES = {
     "tiny": TINY,
-    "demo": dict(hidden_size=192, intermediate_size=640, num_hidden_layers=16, num_attention_heads=3,
-                 num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, vocab_size=4096),  # demo://target
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=4096, vocab_size=32000),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
-                         rope_theta=500000.0),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
-                         rope_theta=500000.0, tie_word_embeddings=True),
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256,
-                          rope_theta=500000.0),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, vocab_size=151936,
-                     rope_theta=1000000.0),
+    "demo": {"hidden_size": 192, "intermediate_size": 640, "num_hidden_layers": 16, "num_attention_heads": 3,
+             "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 2048,
+             "vocab_size": 4096},  # demo://target
+    "small": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "max_position_embeddings": 4096, "vocab_size": 32000},
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                     "vocab_size": 128256, "rope_theta": 500000.0},
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                     "vocab_size": 128256, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "llama-3.1-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                      "vocab_size": 128256, "rope_theta": 500000.0},
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "vocab_size": 151936,
+                 "rope_theta": 1000000.0},
+    # mixture of experts; intermediate_size is the dense MLP's (Qwen3-MoE: no layer uses it; GLM-4.5: its first
+    # layer's; Mixtral: its experts'), the one an EAGLE-3 head for the target takes
+    "qwen3-30b-a3b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                      "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+                      "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    "glm-4.5-air": {"hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+                    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+                    "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "use_qk_norm": False,
+                    "attention_bias": True, "num_nextn_predict_layers": 1, "max_position_embeddings": 131072,
+                    "vocab_size": 151552, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5},
+    "mixtral-8x7b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "max_position_embeddings": 32768, "vocab_size": 32000,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-5},
+    # tiny MoE targets of each family (tests, CPU runs): 8 experts (Mixtral 4) of intermediate 32, two per token
+    "tiny-qwen3-moe": {**TINY_MOE, "num_experts": 8, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "tiny-glm4-moe": {**TINY_MOE, "n_routed_experts": 8, "n_shared_experts": 1, "moe_intermediate_size": 32,
+                      "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                      "partial_rotary_factor": 0.5, "attention_bias": True, "num_nextn_predict_layers": 1},
+    "tiny-mixtral": {**TINY_MOE, "num_local_experts": 4, "intermediate_size": 32},
 }
+MODEL_TYPES = {"qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3_moe", "glm-4.5-air": "glm4_moe", "mixtral-8x7b": "mixtral",
+               "tiny-qwen3-moe": "qwen3_moe", "tiny-glm4-moe": "glm4_moe", "tiny-mixtral": "mixtral"}
+
+
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "mixtral")
+
+
+def shape_config(shape: str, **overrides) -> PretrainedConfig:
+    """The HF config of a named shape (``SHAPES``, of ``MODEL_TYPES``' model type) with ``overrides``."""
+    return AutoConfig.for_model(MODEL_TYPES.get(shape, "llama"), **{**SHAPES[shape], **overrides})
+
+
+def is_moe_shape(shape: str) -> bool:
+    """Whether a named shape is a mixture of experts."""
+    return MODEL_TYPES.get(shape) in MOE_MODEL_TYPES
 
 
 def target_config(model_type: str = "llama", vocab_size: int = 97, **overrides) -> PretrainedConfig:
@@ -98,7 +141,7 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
     from ..sampling import flashinfer_ops
     from ..spec_model import SpecModel
 
-    config = AutoConfig.for_model("llama" if shape != "qwen3-8b" else "qwen3", **SHAPES[shape])
+    config = shape_config(shape)
     tp_size = engine_kwargs.get("tensor_parallel_size", 1)
     parallel = TensorParallel.setup(tp_size, torch.device(device)) if tp_size > 1 else None
     device = local_process_device(torch.device(device)) if parallel else device
@@ -114,7 +157,7 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=max_draft_len, **(spec_fields or {}))
         marks["draft_checkpoint"] = time.time()
     elif spec == "draft_target":
-        draft_config = AutoConfig.for_model("llama", **{**SHAPES[draft_shape], "vocab_size": config.vocab_size})
+        draft_config = shape_config(draft_shape, vocab_size=config.vocab_size)
         draft = save_random_target(Path(workdir) / f"{draft_shape}-draft", draft_config, seed + 1, dtype, str(device))
         spec_config = DraftTargetConfig(speculative_model=str(draft), max_draft_len=max_draft_len,
                                         **(spec_fields or {}))
@@ -135,11 +178,10 @@ def random_eagle3_checkpoint(
     """A random head: weights ~ N(0, 0.02), norms 1 + N(0, 0.02), d2t onto a sorted random subset; drawn on
     ``device`` (a GPU draws an 8B target's head in milliseconds, the CPU in seconds), held on the CPU in
     ``dtype``."""
-    hparams = dict(
-        hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim, intermediate_size=intermediate_size, rope_theta=rope_theta, rms_norm_eps=1e-5,
-        max_position_embeddings=4096,
-    )
+    hparams = {"hidden_size": hidden_size, "num_attention_heads": num_attention_heads,
+               "num_key_value_heads": num_key_value_heads, "head_dim": head_dim,
+               "intermediate_size": intermediate_size, "rope_theta": rope_theta, "rms_norm_eps": 1e-5,
+               "max_position_embeddings": 4096}
     config = Eagle3HeadConfig(
         head_llama_config(hparams, vocab_size), draft_vocab_size, target_hidden_size or hidden_size,
         tuple(aux_layer_ids) if aux_layer_ids is not None else None, False, False, "eagle",
