@@ -7,6 +7,7 @@ import torch
 
 from tllm_spec import Eagle3Config, SamplingParams, trace_cache
 from tllm_spec.kernels.fused_moe import fused_moe, fused_moe_ref
+from tllm_spec.kernels.moe_topk import moe_topk, moe_topk_ref
 from tllm_spec.model.moe import MoE
 from tllm_spec.spec_model import SpecModel
 
@@ -40,6 +41,25 @@ def test_fused_moe_kernel_matches_its_reference(tokens, dtype):
         ref = fused_moe_ref(x, gate_up, down, weights, ids.to(torch.int32))
         tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out, ref, **tol)
+        pairs = fused_moe(x, gate_up, down, weights, ids.to(torch.int32), reduce=False)
+        assert pairs.shape == (tokens, k, hidden) and pairs.dtype == torch.float32
+        torch.testing.assert_close(pairs.sum(1).to(dtype), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("sigmoid", [False, True])
+@pytest.mark.parametrize("round_to", [0, 1])
+def test_moe_topk_kernel_matches_its_reference(tokens, sigmoid, round_to):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 128, device="cuda", generator=g) * 3
+    bias = torch.randn(128, device="cuda", generator=g) * 0.1 if sigmoid else None
+    args = (logits, bias, 8, sigmoid, True, 2.5 if sigmoid else 1.0, round_to)
+    (weights, ids), (ref_weights, ref_ids) = moe_topk(*args), moe_topk_ref(*args)
+    ids, order = ids.sort(dim=-1)
+    ref_ids, ref_order = ref_ids.sort(dim=-1)
+    assert torch.equal(ids, ref_ids)
+    tol = 8e-3 if round_to else 1e-6
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("arch", MOE_FAMILIES)

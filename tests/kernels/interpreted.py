@@ -10,6 +10,7 @@ from tllm_spec import kernels
 from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import attention_plan as plan_module
 from tllm_spec.kernels import fused_moe as moe_module
+from tllm_spec.kernels import moe_topk as topk_module
 from tllm_spec.kernels import kv_write as kv_write_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
@@ -256,6 +257,24 @@ def _moe_align_case(num_tokens: int, top_k: int, num_experts: int, block_m: int,
         assert torch.equal(out, ref), (out, ref)
 
 
+def _moe_topk_case(num_tokens: int, num_experts: int, top_k: int, sigmoid: bool, round_to: int) -> None:
+    """The router's choice against the reference: the same experts in the same order (the reference's top-k is
+    sorted; distinct random logits have no ties), weights to an ulp or two (the kernel's exp is not torch's)."""
+    g = torch.Generator().manual_seed(num_tokens * 5 + num_experts + top_k + sigmoid)
+    logits = torch.randn(num_tokens, num_experts, generator=g) * 3
+    bias = torch.randn(num_experts, generator=g) * 0.1 if sigmoid else None
+    args = (logits, bias, top_k, sigmoid, True, 2.5 if sigmoid else 1.0, round_to)
+    (weights, ids), (ref_weights, ref_ids) = topk_module.moe_topk(*args), topk_module.moe_topk_ref(*args)
+    if sigmoid:  # the reference's sigmoid choice is unsorted: compare as sets, ordered by id
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(1, order)
+        ref_ids, ref_order = ref_ids.sort(dim=-1)
+        ref_weights = ref_weights.gather(1, ref_order)
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
+    tol = 8e-3 if round_to else 1e-6  # a bf16 rounding may land one ulp apart
+    torch.testing.assert_close(weights, ref_weights, atol=tol, rtol=tol)
+
+
 def _fused_moe_case(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
                     tiles: moe_module.MoeTiles | None) -> None:
     """Both GEMMs over the aligned blocks against the reference: H = 40, I = 24 (K and column tails), k distinct
@@ -354,6 +373,10 @@ def main() -> None:
         _fused_moe_case(num_tokens, top_k, num_experts, dtype, tiles)
         print(f"ok fused_moe tokens={num_tokens} k={top_k} experts={num_experts} {dtype} "
               f"tiles={'small' if tiles else 'chosen'}")
+    for (num_tokens, num_experts, top_k), sigmoid, round_to in itertools.product(
+            [(1, 8, 2), (5, 128, 8), (3, 60, 4)], [False, True], [0, 1]):
+        _moe_topk_case(num_tokens, num_experts, top_k, sigmoid, round_to)
+        print(f"ok moe_topk tokens={num_tokens} experts={num_experts} k={top_k} sigmoid={sigmoid} round={round_to}")
     _engine_cases()
 
 

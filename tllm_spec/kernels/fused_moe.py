@@ -72,22 +72,24 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle): a loop over the experts hit (a host sync). x [N, H];
     gate_up [E, 2I, H] (gate rows first); down [E, H, I]; topk_weights [N, k] fp32; topk_ids [N, k] int32/int64
-    -> [N, H] in x.dtype. Ids outside [0, E) contribute nothing."""
+    -> [N, H] in x.dtype; ``reduce=False``: each pair's weighted product [N, k, H] in fp32 instead, whose sum over
+    k (then the cast) is the result, for a caller that fuses the sum with what follows. Ids outside [0, E)
+    contribute nothing."""
     num_tokens, top_k = topk_ids.shape
     flat_ids, flat_weights = topk_ids.flatten(), topk_weights.flatten().float()
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(num_tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
     for expert in flat_ids.unique().tolist():
         if not 0 <= expert < gate_up.shape[0]:
             continue
         pairs = (flat_ids == expert).nonzero().squeeze(1)
-        tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        gate, up = F.linear(x[pairs // top_k], gate_up[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down[expert])
-        out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
-    return out.to(x.dtype)
+        out[pairs] = y.float() * flat_weights[pairs, None]
+    out = out.view(num_tokens, top_k, x.shape[1])
+    return out.sum(1).to(x.dtype) if reduce else out
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -151,18 +153,19 @@ def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_we
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """The Triton kernels where :func:`supports` says so, else the reference. Same signature as
     :func:`fused_moe_ref`, except that ids must lie in [0, E) here (a router's top-k does): a pair of another id
     is never computed and its row of the sum is garbage."""
     if not supports(x, gate_up, down, topk_weights, topk_ids):
-        return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids)
+        return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, reduce)
     (num_tokens, hidden), (num_experts, _, inter), top_k = x.shape, down.shape, topk_ids.shape[1]
     assert gate_up.shape == (num_experts, 2 * inter, hidden) and down.shape[1] == hidden, (gate_up.shape, down.shape)
     assert topk_ids.shape[0] == num_tokens, (topk_ids.shape, x.shape)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
-        return x.new_zeros(num_tokens, hidden)
+        return x.new_zeros(num_tokens, hidden) if reduce else x.new_zeros(num_tokens, top_k, hidden,
+                                                                          dtype=torch.float32)
     tiles = tile_config(num_pairs, num_experts, hidden, inter, x.dtype)
     sorted_pair_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, tiles.block_m)
     blocks = (sorted_pair_ids, block_expert, num_padded, num_pairs)
@@ -178,19 +181,20 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
         h, down, topk_weights, y, *blocks, hidden, inter, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, **flags, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
-    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    y = y.view(num_tokens, top_k, hidden)
+    return y.sum(1).to(x.dtype) if reduce else y
 
 
 @torch.library.custom_op("tllm_spec::fused_moe", mutates_args=())
 def fused_moe_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
+                 topk_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
     """:func:`fused_moe` as a torch op (opaque to torch.compile). x [N, H] -> [N, H]."""
-    return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+    return fused_moe(x, gate_up, down, topk_weights, topk_ids, reduce)
 
 
 @fused_moe_op.register_fake
-def _(x, gate_up, down, topk_weights, topk_ids):
-    return x.new_empty(x.shape)
+def _(x, gate_up, down, topk_weights, topk_ids, reduce=True):
+    return x.new_empty(x.shape) if reduce else x.new_empty(*topk_ids.shape, x.shape[1], dtype=torch.float32)
 
 
 if triton is not None:

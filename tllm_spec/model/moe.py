@@ -23,6 +23,7 @@ from torch import nn
 
 from ..distributed.parallel import all_reduce
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
+from ..kernels.moe_topk import moe_topk, moe_topk_ref
 from .layers import MLP, traced
 
 ROUTERS = {"Qwen3MoeTopKRouter": "softmax", "MixtralTopKRouter": "softmax", "Glm4MoeTopkRouter": "sigmoid"}
@@ -85,30 +86,18 @@ class MoE(nn.Module):
                 + self.down[0].numel() * self.down.element_size())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (routing weights [N, k] fp32, expert ids [N, k] int32), the stock router's maths."""
+        """x [N, H] -> (routing weights [N, k] fp32, expert ids [N, k] int32), the stock router's maths: logits in
+        the model dtype (softmax routers) or fp32 (GLM), the choice in one launch on CUDA (kernels/moe_topk.py)."""
         weight = self.router.weight
         if self.scoring == "softmax":
-            probs = torch.softmax(torch.nn.functional.linear(x, weight.to(x.dtype)).float(), dim=-1)
-            top, ids = torch.topk(probs, self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                top = top / top.sum(dim=-1, keepdim=True)
-            if self.round_weights:
-                top = top.to(x.dtype).float()
-            return top, ids.to(torch.int32)
-        scores = torch.nn.functional.linear(x.float(), weight.float()).sigmoid()
-        choice = scores + self.router.e_score_correction_bias.float()
-        if self.n_group > 1:
-            per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
-            keep = torch.zeros_like(group_scores).scatter_(
-                1, torch.topk(group_scores, self.topk_group, dim=-1, sorted=False).indices, 1.0)
-            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.n_group, dim=1),
-                                        float("-inf"))
-        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
-        top = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
-        return top * self.scaling, ids.to(torch.int32)
+            logits = torch.nn.functional.linear(x, weight.to(x.dtype)).float()
+        else:
+            logits = torch.nn.functional.linear(x.float(), weight.float())
+        bias = getattr(self.router, "e_score_correction_bias", None)
+        round_to = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0) if self.round_weights else 0
+        choose = traced(torch.ops.tllm_spec.moe_topk, moe_topk) if x.is_cuda else moe_topk_ref
+        return choose(logits, None if bias is None else bias.float(), self.top_k, self.scoring == "sigmoid",
+                      self.norm_topk_prob, self.scaling, round_to, self.n_group, self.topk_group)
 
     def forward(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] -> [N, H] (plus ``residual``); ``gated``: the shared experts' SwiGLU is their GEMM's epilogue
@@ -116,8 +105,11 @@ class MoE(nn.Module):
         weights, ids = self.route(x)
         if self.routing_log is not None and not torch.compiler.is_compiling():
             self.routing_log.append(ids)
-        experts = traced(torch.ops.tllm_spec.fused_moe, fused_moe) if x.is_cuda else fused_moe_ref
-        out = experts(x, self.gate_up, self.down, weights, ids)
+        if x.is_cuda:  # the sum over each token's k experts (fp32) and the cast fuse with the adds below
+            pairs = traced(torch.ops.tllm_spec.fused_moe, fused_moe)(x, self.gate_up, self.down, weights, ids, False)
+            out = pairs.sum(dim=1).to(x.dtype)
+        else:
+            out = fused_moe_ref(x, self.gate_up, self.down, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x, gated=gated)
         if self.tp_group is not None:
