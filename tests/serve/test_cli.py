@@ -156,6 +156,7 @@ def test_shutdown_timeout_is_a_number_of_seconds():
     assert build_parser().parse_args(["serve", "--shutdown-timeout", "0.5"]).shutdown_timeout == 0.5
 
 
+@pytest.mark.slow  # starts the demo server: eleven seconds on the 2-core machine
 def test_bench_serve_defaults_complete_against_the_demo_server(server_url, tmp_path):
     card = httpx.get(f"{server_url}/v1/models").json()["data"][0]
     assert (card["vocab_size"], card["max_model_len"]) == (4096, 2048)  # the demo target's

@@ -53,6 +53,7 @@ def _check_shutdown(sig: int) -> None:
         assert len(lines) > 3  # the stream had sent text before the abort
 
 
+@pytest.mark.slow  # a real server process drained by SIGINT: fifteen seconds on the 2-core machine
 def test_sigint_drains_aborts_and_exits_0():
     _check_shutdown(signal.SIGINT)
 

@@ -12,6 +12,9 @@ from tllm_spec.tools.demo_recipe import TINY_SHAPE, build_demo_models
 from ..training.helpers import corpus
 
 
+pytestmark = pytest.mark.slow  # builds the demo models twice over: fifteen seconds on the 2-core machine
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("work")
