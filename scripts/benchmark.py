@@ -1,7 +1,7 @@
 """Decode speed of one-model speculative decoding vs plain decoding, the memory roofline and HF generate.
 
 Random-weight target of a named shape and a random EAGLE-3 head (no download), or a random draft LM
-(--draft-shape), or suffix-automaton drafting (--sa); acceptance is set with
+(--draft-shape), or a random MTP module (--mtp), or suffix-automaton drafting (--sa); acceptance is set with
 TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
 
     python scripts/benchmark.py --shape llama-3.1-8b --batches 1 4 16 64 --out runs/bench
@@ -9,6 +9,8 @@ TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS. Writes JSON and a plot.
     python scripts/benchmark.py --tree default --batches 1 8 32 --forced 3 --no-hf   # the default static tree
     python scripts/benchmark.py --draft-shape llama-3.2-1b --batches 1 8 --forced 3 --no-hf   # a 1B draft LM
     python scripts/benchmark.py --sa -k 8 --batches 1 --forced 8 --no-hf   # suffix drafting, 8 drafts
+    torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape glm-4.5-air --mtp \
+        --batches 1 8 --forced 0 1.5 3 --no-hf   # MTP-Eagle, -k drafts from one random MTP module
     python scripts/benchmark.py --plot-only runs/bench/benchmark.json
     torchrun --nproc-per-node 2 scripts/benchmark.py --tensor-parallel-size 2 --shape llama-3.1-70b --no-hf
     python scripts/benchmark.py --context 2048 8192 32768 --batches 1 8 --attention-backends old split flashinfer xqa
@@ -87,6 +89,8 @@ def parse_args() -> argparse.Namespace:
                    "8B target) instead of an EAGLE-3 head")
     p.add_argument("--sa", action="store_true", help="speculate with suffix-automaton drafting (SAConfig, -k drafts) "
                    "instead of an EAGLE-3 head")
+    p.add_argument("--mtp", action="store_true", help="speculate with one random MTP module of the target's layer "
+                   "class (MTP-Eagle: -k drafts from module 0; any shape) instead of an EAGLE-3 head")
     p.add_argument("--sa-spec", action="store_true", help="the EAGLE-3 head with use_sa_spec (the automaton's drafts "
                    "where the text repeats)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -124,9 +128,9 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--context measures dense shapes only; {args.shape} is a mixture of experts")
     if args.tree and args.dynamic_tree:
         p.error("--tree and --dynamic-tree exclude each other")
-    if sum(map(bool, (args.draft_shape, args.sa, args.sa_spec or args.tree or args.dynamic_tree))) > 1:
-        p.error("--draft-shape, --sa and the EAGLE-3 head's options (--sa-spec, --tree, --dynamic-tree) exclude "
-                "each other")
+    if sum(map(bool, (args.draft_shape, args.sa, args.mtp, args.sa_spec or args.tree or args.dynamic_tree))) > 1:
+        p.error("--draft-shape, --sa, --mtp and the EAGLE-3 head's options (--sa-spec, --tree, --dynamic-tree) "
+                "exclude each other")
     return args
 
 
@@ -136,6 +140,8 @@ def spec_of(args: argparse.Namespace) -> tuple[str, dict]:
         return "draft_target", {}
     if args.sa:
         return "sa", {}
+    if args.mtp:
+        return "mtp", {}
     return "eagle3", {**tree_fields(args), **({"use_sa_spec": True} if args.sa_spec else {})}
 
 
@@ -222,6 +228,8 @@ def main() -> None:
             (out / "benchmark.json").write_text(json.dumps(results, indent=2))  # partial results survive a crash
             experts = (f"  experts/layer {point.distinct_experts_per_layer:.1f}"
                        if point.distinct_experts_per_layer is not None else "")
+            if point.draft_experts_per_step is not None:  # a MoE MTP block: its passes' experts, summed
+                experts += f"  draft experts/step {point.draft_experts_per_step:.1f}"
             tqdm.write(f"{name[:10]:10s} {point.mode:6s} batch {batch:3d} forced {f!s:5s} step "
                        f"{point.step_ms:7.2f} ms {point.tokens_per_second:9.1f} tok/s  roofline "
                        f"{point.roofline_fraction:5.1%}  host {point.host_ms_per_step:.3f} ms{experts}")

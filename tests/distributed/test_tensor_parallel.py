@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU: gloo at world size 2 in spawned processes, tiny fp32 targets saved with
-save_pretrained and loaded shard by shard through the real loader, an EAGLE-3 head replicated on each rank."""
+save_pretrained and loaded shard by shard through the real loader, an EAGLE-3 head or MTP modules replicated on
+each rank."""
 from __future__ import annotations
 
 import json
@@ -96,7 +97,8 @@ def _generate_tp2(target: str, head: str) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: CI's slow run
+@pytest.mark.slow  # two processes decoding three kinds: nineteen seconds on the 2-core machine
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
     target, head = tiny_tp_pair(arch)
     ranks = run_ranks(_generate_tp2, str(target), str(head))
@@ -153,10 +155,127 @@ def test_tp2_moe_targets_equal_hf_generate(tmp_path, arch, layout):
     assert ranks[0] == ranks[1] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
 
 
+MTP_MODES = {"eagle_k3": MTPConfig(num_nextn_predict_layers=1, max_draft_len=3),
+             "vanilla3": MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True)}
+
+
+def _mtp_facts(model: SpecModel) -> dict:
+    """What a rank holds and computes of its MTP modules: the fused blocks whole (q/k/v rows, experts) without a
+    tensor-parallel group, the KV layers' heads, the draft logits of fixed hidden states."""
+    from tllm_spec.model.layers import DecoderLayer
+    from tllm_spec.model.moe import MoE
+
+    draft = model.worker.draft_model
+    blocks = [m.block for m in draft.mtp_modules]
+    assert all(isinstance(block, DecoderLayer) for block in blocks)
+    groups = {type(m).__name__: m.tp_group for block in blocks for m in block.modules() if hasattr(m, "tp_group")}
+    hidden = torch.randn(3, model.target.hidden_size, generator=torch.Generator().manual_seed(0))
+    return {"qkv_rows": [block.self_attn.qkv_proj.out_features for block in blocks], "tp_groups": groups,
+            "experts": [tuple(m.gate_up.shape) for block in blocks for m in block.modules() if isinstance(m, MoE)],
+            "kv_heads": [k.shape[2] for k in model.runner.kv_cache.k],
+            "own_heads": ["head" in m.shared_head for m in draft.mtp_modules],
+            "logits": [draft.compute_logits(i, hidden).tolist() for i in range(len(blocks))]}
+
+
+def _generate_mtp_tp2(target: str, modes: list[str]) -> dict:
+    out = {}
+    for mode in modes:
+        model = SpecModel.from_pretrained(target, MTP_MODES[mode], max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+        outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+        out[mode] = {"tokens": [o.token_ids for o in outs], "accepted": [o.stats.accepted_per_step for o in outs],
+                     **_mtp_facts(model)}
+    return out
+
+
+def check_mtp_tp2(target: Path, modes: list[str]) -> list[dict]:
+    """Both ranks: the target's greedy output, TP 1's accepted drafts per step and TP 1's draft logits (the draft
+    rows gathered from both vocabulary halves; rank 1's half padded: vocabulary 97)."""
+    ranks = run_ranks(_generate_mtp_tp2, str(target), modes)
+    for answer in ranks:
+        assert not (isinstance(answer, tuple) and answer[0] == "error"), answer[1]
+    assert ranks[0] == ranks[1]  # lockstep, and the replicated modules compute the same logits on both ranks
+    hf = [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    for mode in modes:
+        tp1 = SpecModel.from_pretrained(target, MTP_MODES[mode], max_batch_size=2)
+        tp1_outs = tp1.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+        got = ranks[0][mode]
+        assert got["tokens"] == hf
+        assert got["accepted"] == [o.stats.accepted_per_step for o in tp1_outs]
+        torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(_mtp_facts(tp1)["logits"]))
+        assert set(got["tp_groups"].values()) == {None}  # no collective in a module's block
+    return ranks
+
+
+@pytest.mark.slow  # two processes of tens of seconds on the 2-core machine
+def test_tp2_mtp_modules_equal_hf_generate():
+    """A tiny Llama with 3 MTP modules (DeepSeek layout): MTP-Eagle K=3 and vanilla MTP with 3 modules, each rank
+    holding the modules whole (their 2 KV heads, where the target's layers hold 1 per rank)."""
+    from ..test_mtp_lossless import mtp_target
+
+    target = mtp_target("llama", "deepseek")
+    ranks = check_mtp_tp2(target, list(MTP_MODES))
+    head_dim = 16
+    assert ranks[0]["eagle_k3"]["qkv_rows"] == [(4 + 2 * 2) * head_dim]  # 4 query and 2 KV heads: whole
+    assert ranks[0]["eagle_k3"]["kv_heads"] == [1] * 8 + [2]
+    assert ranks[0]["vanilla3"]["kv_heads"] == [1] * 8 + [2] * 3
+
+
+@pytest.mark.slow  # two processes of tens of seconds on the 2-core machine
+def test_tp2_mtp_moe_module_equals_hf_generate():
+    """The tiny GLM-4.5 target (its MoE layer split by expert intermediate size) with its MoE MTP module whole: all
+    8 experts 32 wide, the router and shared expert on every rank."""
+    from ..test_mtp_lossless import mtp_target
+
+    ranks = check_mtp_tp2(mtp_target("glm4_moe", "deepseek"), ["eagle_k3"])
+    facts = ranks[0]["eagle_k3"]
+    assert facts["experts"] == [(8, 2 * 32, 64)] and facts["tp_groups"]["MoE"] is None
+    assert facts["kv_heads"] == [1, 1, 2]
+
+
+def _mtp_heads_tp2(target: str) -> dict:
+    cfg = MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True)
+    model = SpecModel.from_pretrained(target, cfg, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+    outs = model.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=n) for n in MAX_NEW[:2]])
+    heads = [m.shared_head["head"].weight.shape[0] for m in model.worker.draft_model.mtp_modules
+             if "head" in m.shared_head]
+    return {"tokens": [o.token_ids for o in outs], "head_rows": heads, **_mtp_facts(model)}
+
+
+@pytest.mark.slow  # two processes of tens of seconds on the 2-core machine
+def test_tp2_mtp_heads_a_copy_of_lm_head_is_dropped_on_every_rank(tmp_path):
+    """Module 0's shared_head.head is a copy of lm_head (each rank compares its own rows: dropped, its logits the
+    target's gathered ones); module 1's is its own (kept whole); module 2's equals lm_head on rank 0's rows only,
+    so both ranks keep it (one decision for both: the gather is a collective)."""
+    from tllm_spec.drafts.mtp.checkpoint import HEAD_KEY, save_mtp_weights
+    from tllm_spec.drafts.mtp.model import random_mtp_modules
+
+    from ..models import hf_model
+
+    target = save_random_target(tmp_path, target_config("llama", vocab_size=97), seed=5)
+    lm_head = hf_model(target).lm_head.weight.detach()
+    states = random_mtp_modules(target_config("llama", vocab_size=97), 3, seed=6, own_head=True)
+    near_copy = lm_head.clone()
+    near_copy[90] += 1.0  # a row of rank 1's half (rows 49-96)
+    for state, head in zip(states, (lm_head, lm_head + 0.5 * states[1][HEAD_KEY], near_copy)):
+        state[HEAD_KEY] = head.clone()
+    save_mtp_weights(target, states, "deepseek")
+    ranks = run_ranks(_mtp_heads_tp2, str(target))
+    for answer in ranks:
+        assert isinstance(answer, dict), answer
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["own_heads"] == [False, True, True] and ranks[0]["head_rows"] == [97, 97]
+    assert ranks[0]["tokens"] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS[:2], MAX_NEW[:2])]
+    tp1 = SpecModel.from_pretrained(target, MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True),
+                                    max_batch_size=2)
+    assert _mtp_facts(tp1)["own_heads"] == [False, True, True]
+    torch.testing.assert_close(torch.tensor(ranks[0]["logits"]), torch.tensor(_mtp_facts(tp1)["logits"]))
+
+
 def _bad_configurations(three_heads: str, target: str, head: str) -> list[str]:
     errors = []
     attempts = [lambda: SpecModel.from_pretrained(target, eagle3(Path(head), 3), tensor_parallel_size=3),
                 lambda: SpecModel.from_pretrained(three_heads, None, tensor_parallel_size=WORLD_SIZE),
+                # MTP runs under tensor parallelism; a target without MTP modules fails on every rank
                 lambda: SpecModel.from_pretrained(target, MTPConfig(), tensor_parallel_size=WORLD_SIZE)]
     for attempt in attempts:
         try:
@@ -177,7 +296,7 @@ def test_bad_configurations_fail_on_every_rank_without_hanging():
         assert isinstance(errors, list), errors
         assert "tensor_parallel_size=3 but the torch.distributed world has 2 ranks" in errors[0]
         assert "3 attention heads are not divisible by 2" in errors[1]
-        assert "MTP with tensor_parallel_size > 1 is not supported" in errors[2]
+        assert "no MTP tensors; expected model.layers.8.eh_proj.weight" in errors[2]
 
 
 def test_tensor_parallel_without_torchrun_is_a_clear_error(monkeypatch):
@@ -325,3 +444,34 @@ def test_random_sharded_target_for_benchmarks(tmp_path):
     from tllm_spec.tools.random_models import random_spec_model
     tp1 = random_spec_model("tiny", "none", 0, tmp_path, torch.float32, "cpu", max_batch_size=2)
     assert 0.45 * step_bytes(tp1, 2, 10) < ranks[0]["bytes"] < 0.55 * step_bytes(tp1, 2, 10)
+
+
+def _random_tp2_mtp_model(workdir: str) -> dict:
+    from tllm_spec.tools.benchmark import run_point
+    from tllm_spec.tools.random_models import random_spec_model
+    from tllm_spec.tools.routing import moe_layers
+    model = random_spec_model("tiny-glm4-moe", "mtp", 3, workdir, torch.float32, "cpu", max_batch_size=2,
+                              tensor_parallel_size=WORLD_SIZE)
+    (module,) = model.worker.draft_model.mtp_modules
+    experts = moe_layers(model.worker.draft_model)[0]
+    point = run_point(model, batch=2, prompt_len=8, new_tokens=12, forced=3.0, bandwidth=1e12)
+    return {"module": [module.eh_proj.weight.sum().item(), experts.module.gate_up.sum().item()],
+            "expert_rows": experts.module.gate_up.shape[1],
+            "target_rows": moe_layers(model.target)[0].module.gate_up.shape[1],
+            "draft_experts": point.draft_experts_per_step, "routing_same_tokens": point.routing_same_tokens}
+
+
+@pytest.mark.slow  # ten seconds or more on the 2-core CI machine: the second CI command runs it
+def test_random_sharded_target_with_a_random_mtp_module_for_benchmarks(tmp_path, monkeypatch):
+    """benchmark.py --mtp at TP2: each rank draws the same whole MTP module (its own directory), the target's experts
+    split; a point's roofline counts the draft's passes' experts."""
+    from tllm_spec.sampling.forcing import ENV_VAR
+    monkeypatch.setenv(ENV_VAR, "")  # run_point forces acceptance in the ranks: restored for the next tests
+    ranks = run_ranks(_random_tp2_mtp_model, str(tmp_path))
+    for answer in ranks:
+        assert isinstance(answer, dict), answer
+    assert ranks[0]["module"] == ranks[1]["module"]  # replicated: the same draw on every rank
+    assert ranks[0]["expert_rows"] == 2 * 32 and ranks[0]["target_rows"] == 2 * 32 // WORLD_SIZE
+    assert ranks[0]["draft_experts"] == ranks[1]["draft_experts"] and 3 * 2 <= ranks[0]["draft_experts"] <= 3 * 8
+    assert ranks[0]["routing_same_tokens"] and ranks[1]["routing_same_tokens"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-glm4-moe-mtp-rank0", "tiny-glm4-moe-mtp-rank1"]

@@ -1,6 +1,6 @@
-"""The roofline byte count of a generation step (a MoE target's with its measured distinct experts), the
-draft-length sweep's arithmetic, a MoE point on the CPU and the CLI's MoE shapes (the benchmark itself runs on a
-GPU; no timing is asserted)."""
+"""The roofline byte count of a generation step (a MoE target's with its measured distinct experts; MTP modules'
+per pass, a MoE block's with the experts of each pass), the draft-length sweep's arithmetic, MoE points on the
+CPU and the CLI's MoE shapes and --mtp (the benchmark itself runs on a GPU; no timing is asserted)."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -15,7 +15,9 @@ from tllm_spec.tools.benchmark import (
     best_schedule,
     eager_steps,
     expected_accepted_drafts,
+    mtp_passes,
     run_point,
+    spec_kind,
     step_bytes,
     to_rows,
 )
@@ -158,3 +160,80 @@ def test_the_table_of_a_moe_run_shows_experts_per_layer_and_failed_hf_runs(scrip
     assert lines[4].endswith("| 17.2 |")
     assert "HF generate experts=eager | - | 1 | - | 1 | - | 9.0 |" in lines[5]
     assert "(static cache) experts=eager" in lines[6] and "| failed |" in lines[6]
+
+
+def test_step_bytes_of_mtp_eagle_count_the_module_and_lm_head_per_pass(tmp_path):
+    """One random MTP module on a random target built without a checkpoint: each of the K passes reads the module
+    (block, eh_proj, norms) and its KV layer, each draft the target's lm_head again; K = 0 keeps the one pass that
+    writes the module's KV, without a draft."""
+    model = random_spec_model("tiny", "mtp", 3, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    assert spec_kind(model) == "mtp" and model.target.checkpoint_dir is None
+    plain = SpecModel.from_target(model.target, None, max_batch_size=2)
+    module = 4 * sum(p.numel() for p in model.worker.draft_model.mtp_modules[0].parameters())
+    lm_head, kv = 4 * 32000 * 64, 2 * 10 * (2 * 2 * 16 * 4)  # vocab 32000 (Llama's), 2 KV heads x 16, batch 2
+    base = step_bytes(plain, batch=2, context_len=10)
+    assert step_bytes(model, batch=2, context_len=10) == base + 3 * (module + lm_head + kv)
+    assert step_bytes(model, batch=2, context_len=10, draft_len=1) == base + module + lm_head + kv
+    assert step_bytes(model, batch=2, context_len=10, draft_len=0) == base + module + kv
+
+
+def test_step_bytes_of_vanilla_mtp_and_per_step_selection():
+    """Vanilla MTP: every module once over its window, a draft (an lm_head read) each. Per-step selection, 2 modules,
+    K = 3 (modules 0 1 0): pass s runs the modules used at step s or later, so module 0 three times, module 1 twice."""
+    from tllm_spec import MTPConfig
+
+    from ..test_mtp_lossless import mtp_target
+
+    target = mtp_target("llama", "deepseek")
+    plain = SpecModel.from_pretrained(target, None, max_batch_size=2)
+    base, lm_head, kv = step_bytes(plain, 2, 10), 4 * 97 * 64, 2 * 10 * (2 * 2 * 16 * 4)
+    vanilla = SpecModel.from_pretrained(target, MTPConfig(num_nextn_predict_layers=3, use_mtp_vanilla=True),
+                                        max_batch_size=2)
+    modules = [4 * sum(p.numel() for p in m.parameters()) for m in vanilla.worker.draft_model.mtp_modules]
+    assert step_bytes(vanilla, 2, 10) == base + sum(modules) + 3 * (lm_head + kv)
+    per_step = SpecModel.from_pretrained(target, MTPConfig(num_nextn_predict_layers=2, max_draft_len=3,
+                                                           mtp_layer_selection="per_step"), max_batch_size=2)
+    assert mtp_passes(per_step.worker, 3) == ([(0, 1), (0, 1), (0,)], [0, 1, 0])
+    assert mtp_passes(per_step.worker, 0) == ([(0, 1)], [])
+    assert step_bytes(per_step, 2, 10) == base + 3 * modules[0] + 2 * modules[1] + 3 * lm_head + 5 * kv
+    assert mtp_passes(vanilla.worker, 3) == ([(0,), (1,), (2,)], [0, 1, 2])
+
+
+def test_run_point_of_a_moe_mtp_module_counts_the_experts_of_each_pass(tmp_path, monkeypatch):
+    """GLM-4.5's MoE MTP block, every router (the target's and the block's) made to pick experts 3 and 5: each of
+    the K = 3 passes reads those two, so a decoding step's draft reads 6 experts, besides the block's other weights
+    per pass and the lm_head per draft."""
+    monkeypatch.setenv(ENV_VAR, "")
+    model = random_spec_model("tiny-glm4-moe", "mtp", 3, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    draft = model.worker.draft_model
+    for layer in moe_layers(model.target) + moe_layers(draft):
+        layer.module.router.weight.data.zero_()
+        layer.module.router.e_score_correction_bias.copy_(torch.eye(8)[3] + torch.eye(8)[5])
+    p = run_point(model, batch=2, prompt_len=8, new_tokens=16, forced=3.0, bandwidth=1e12)
+    expert_bytes = 4 * (2 * 32 * 64 + 64 * 32)
+    assert p.mode == "mtp" and p.distinct_experts_per_layer == 2.0 and p.routing_steps == 4
+    assert p.draft_experts_per_step == 6.0 and p.draft_expert_bytes_per_step == 6 * expert_bytes
+    routing = Routing((2.0,) * 7, (expert_bytes,) * 7, 4, (6.0,), (expert_bytes,))
+    assert p.roofline_bytes_per_step == step_bytes(model, 2, 8 + 16 / 2, 3, routing)
+    module = draft.mtp_modules[0]
+    non_expert = 4 * sum(p.numel() for n, p in module.named_parameters() if not n.endswith(("mlp.gate_up", "mlp.down")))
+    # q/k/v with biases (64 + 2 x 32 rows), o, 5 norms, eh_proj [64, 128], the router [8, 64], the shared expert
+    assert non_expert == 4 * (128 * 65 + 64 * 64 + 5 * 64 + 64 * 128 + 8 * 64 + 3 * 32 * 64)
+    plain_routing = Routing((2.0,) * 7, (expert_bytes,) * 7, 4)
+    with pytest.raises(ValueError, match="1 MoE blocks"):
+        step_bytes(model, 2, 16, 3, plain_routing)
+    plain = SpecModel.from_target(model.target, None, max_batch_size=2)
+    kv, lm_head = 16 * 2 * (2 * 2 * 16 * 4), 4 * 256 * 64
+    assert step_bytes(model, 2, 16, 3, routing) == (step_bytes(plain, 2, 16, 0, plain_routing) + 6 * expert_bytes
+                                                    + 3 * (non_expert + lm_head + kv))
+
+
+@pytest.mark.parametrize("flags", [["--mtp", "--sa"], ["--mtp", "--tree"], ["--mtp", "--draft-shape", "tiny"]])
+def test_the_cli_takes_mtp_on_any_shape_and_alone(script, monkeypatch, flags):
+    for shape in ("glm-4.5-air", "llama-3.1-8b"):
+        monkeypatch.setattr(sys, "argv", ["benchmark.py", "--shape", shape, "--mtp", "-k", "2"])
+        args = script.parse_args()
+        assert script.spec_of(args) == ("mtp", {}) and args.max_draft_len == 2
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", *flags])
+    with pytest.raises(SystemExit):
+        script.parse_args()

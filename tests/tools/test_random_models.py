@@ -102,3 +102,47 @@ def test_random_mtp_modules_for_a_glm_moe_shape():
     (state,) = random_mtp_modules(config, config.num_nextn_predict_layers)
     assert tuple(state["mlp.experts.gate_up_proj"].shape) == (8, 2 * 32, 64)
     assert tuple(state["eh_proj.weight"].shape) == (64, 128) and "mlp.shared_experts.up_proj.weight" in state
+
+
+def test_random_mtp_modules_drawn_in_a_dtype_from_a_meta_module():
+    """The benchmark draws GLM-4.5-Air's MTP module (2.4 B parameters) in bf16 on its GPU: no fp32 module on the
+    CPU first. The default (fp32 on the CPU) draws the same numbers as before, which bf16 rounds."""
+    config = shape_config("tiny-glm4-moe")
+    (fp32,) = random_mtp_modules(config, 1, seed=3)
+    (bf16,) = random_mtp_modules(config, 1, seed=3, dtype=torch.bfloat16, device="cpu")
+    assert fp32.keys() == bf16.keys() and all(v.dtype == torch.bfloat16 for v in bf16.values())
+    assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in fp32.values())
+    noise = torch.randn(64, generator=torch.Generator().manual_seed(3), dtype=torch.bfloat16)  # the first tensor
+    assert torch.equal(bf16["enorm.weight"], noise.mul_(0.1).add_(1.0))
+
+
+def test_save_random_mtp_writes_an_mtp_checkpoint_of_the_shape(tmp_path):
+    from tllm_spec.drafts.mtp.checkpoint import load_mtp_checkpoint
+    from tllm_spec.tools.random_models import save_random_mtp
+
+    config = shape_config("tiny-glm4-moe")
+    path = save_random_mtp(tmp_path / "mtp", config, seed=2, dtype=torch.bfloat16)
+    (state,) = random_mtp_modules(config, 1, seed=2, dtype=torch.bfloat16)
+    ckpt = load_mtp_checkpoint(path, config.num_hidden_layers, 1)
+    assert ckpt.layout == "deepseek" and ckpt.modules[0].keys() == state.keys()
+    assert all(torch.equal(ckpt.modules[0][k], v) for k, v in state.items())
+    assert (path / "config.json").is_file()
+    assert save_random_mtp(path, config, seed=2) == path  # written again over the first: one module still
+    assert len(load_mtp_checkpoint(path, config.num_hidden_layers, 1).modules) == 1
+
+
+def test_random_spec_model_with_an_mtp_module_on_a_target_without_a_checkpoint(tmp_path):
+    """The benchmark's --mtp: a random MTP module loaded through the real loader for a target built in memory;
+    greedy output is the target's own."""
+    from tllm_spec.config import SamplingParams
+    from tllm_spec.spec_model import SpecModel
+    from tllm_spec.tools.random_models import random_spec_model
+
+    model = random_spec_model("tiny-glm4-moe", "mtp", 3, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    assert model.target.checkpoint_dir is None and model.max_draft_len == 3
+    (module,) = model.worker.draft_model.mtp_modules
+    assert module.kv_layer == 8 and type(module.block.mlp).__name__ == "MoE"  # GLM's MoE block, fused
+    prompts, params = [[1, 2, 3, 4], [7, 8]], SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = SpecModel.from_target(model.target, None, max_batch_size=2)
+    assert [o.token_ids for o in model.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts,
+                                                                                                          params)]

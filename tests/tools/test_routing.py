@@ -1,5 +1,6 @@
 """Counting the experts a MoE target's steps read: distinct experts per layer per decoding step from hand-made
-routing logs, and the logs of real runs through the fused MoE layers and through the stock HF blocks."""
+routing logs, and the logs of real runs through the fused MoE layers and through the stock HF blocks; a MoE MTP
+block's passes, each a forward reading its own experts."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ from tllm_spec.spec_model import SpecModel
 from tllm_spec.tools.benchmark import measure_routing
 from tllm_spec.tools.random_models import shape_config
 from tllm_spec.tools.routing import (
+    PassLog,
     distinct_experts,
+    draft_experts,
     moe_layers,
     routing_logs,
     routing_of,
@@ -85,3 +88,43 @@ def test_measure_routing_keeps_the_decoding_steps():
     assert all(1 <= d <= 4 for d in routing.distinct_per_layer)  # 2 tokens x top-2: 2 to 4 experts
     dense = SpecModel.from_target(TargetModel.from_config(shape_config("tiny"), torch.float32, "cpu"), None)
     assert measure_routing(dense, prompts, SamplingParams(max_new_tokens=2), seed=0, max_rows=2) is None
+
+
+def test_draft_passes_read_each_passes_distinct_experts_summed_over_the_step():
+    """An MTP block's passes are forwards of their own: a step reads each one's distinct experts. The passes are
+    told apart by the target forwards logged before them (PassLog.steps); those after a prompt step are left out."""
+    target_log: list[torch.Tensor] = []
+    draft_log = PassLog(target_log)
+    target_log.append(ids(*[[0, 1]] * 6))  # a prompt step: its first draft pass and a one-token pass, left out
+    draft_log.append(ids(*[[0, 1]] * 6))
+    draft_log.append(ids([2, 3], [4, 5]))
+    target_log.append(ids([0, 1], [2, 3], [4, 5], [6, 7]))
+    draft_log.append(ids([0, 1], [1, 0], [0, 1], [1, 0]))  # the step's 4 rows: 2 experts
+    draft_log.append(ids([0, 1], [2, 3]))  # one token per request: 4 experts, experts 0 and 1 read again
+    target_log.append(ids([0, 1], [1, 0], [0, 1], [1, 0]))
+    draft_log.append(ids([7, 6], [6, 7], [7, 6], [6, 7]))  # 2
+    draft_log.append(ids([7, 6], [5, 7]))  # 3
+    assert draft_log.steps == [1, 1, 2, 2, 3, 3]
+    assert draft_experts([draft_log], [8], target_log, max_rows=4).tolist() == [[6], [5]]
+    layers = [type("Layer", (), {"num_experts": 8, "expert_bytes": 100})()]
+    draft_layers = [type("Layer", (), {"num_experts": 8, "expert_bytes": 10})()]
+    routing = routing_of(layers, [target_log, draft_log], max_rows=4, draft_layers=draft_layers)
+    assert routing.distinct_per_layer == (5.0,) and routing.num_steps == 2  # (8 + 2) / 2: the target counts as before
+    assert routing.draft_experts_per_layer == (5.5,) and routing.draft_bytes_per_step == pytest.approx(55.0)
+    assert routing_of(layers, [target_log], max_rows=4).draft_bytes_per_step == 0.0  # no draft layers
+
+
+def test_the_mtp_blocks_passes_are_logged_after_the_targets_layers(tmp_path):
+    """GLM-4.5's MoE MTP block, MTP-Eagle with 2 drafts: per step one pass over the step's 3 rows a request, then one
+    over 1 row a request, each tagged with its step."""
+    from tllm_spec.tools.random_models import random_spec_model
+
+    model = random_spec_model("tiny-glm4-moe", "mtp", 2, tmp_path, torch.float32, "cpu", max_batch_size=2)
+    layers, draft_layers = moe_layers(model.target), moe_layers(model.worker.draft_model)
+    assert len(layers) == 7 and len(draft_layers) == 1 and isinstance(draft_layers[0].module, MoE)
+    with routing_logs(layers, draft_layers) as logs:
+        model.generate([[1, 2, 3, 4, 5], [9, 8, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    draft_log = logs[-1]
+    assert draft_log.step_log is logs[0] and draft_log.steps == [s for s in range(1, len(logs[0]) + 1) for _ in "ab"]
+    assert [e.shape[0] for e in draft_log][:4] == [8, 2, 6, 2]  # the prompt step's 5 + 3 rows, then 2 x (2 + 1)
+    assert draft_layers[0].module.routing_log is None

@@ -1,6 +1,6 @@
 """Tensor parallelism over torch.distributed: the process group, the shardability check and the three
 collectives of the step (all-reduce after row-parallel GEMMs, the vocabulary gather of the sampled rows, the
-broadcast of the step outputs).
+broadcast of the step outputs), plus one vote at load time (:func:`all_ranks_agree`).
 
 Collectives are ``torch.ops._c10d_functional`` ops: the same op runs eagerly (gloo on CPU, NCCL on GPU),
 traces under torch.compile and is captured into CUDA graphs with NCCL.
@@ -129,6 +129,13 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int, parallel: TensorParallel
                                                            parallel.group_name))  # [size*R, V/size]
     rows = logits.shape[0]
     return parts.view(parallel.size, rows, -1).transpose(0, 1).reshape(rows, -1)[:, :vocab_size]
+
+
+def all_ranks_agree(flag: bool, parallel: TensorParallel, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank: one answer on all of them, for a load-time choice that decides which
+    collectives the steps run (a collective itself; ``device``: a CUDA one for NCCL)."""
+    vote = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    return bool(_c10d.wait_tensor(_c10d.all_reduce(vote, "min", parallel.group_name)).item())
 
 
 def broadcast_from_first(x: torch.Tensor, parallel: TensorParallel) -> torch.Tensor:

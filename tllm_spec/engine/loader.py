@@ -35,9 +35,9 @@ def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: t
                 device: torch.device | str | None, engine_config: EngineConfig) -> ModelRunner:
     """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft. With
     ``tensor_parallel_size=N`` every one of the N ranks (``torchrun --nproc-per-node N``) makes this call and
-    loads its shard of the target and a whole copy of the draft."""
+    loads its shard of the target and a whole copy of the draft (an EAGLE-3 head, MTP modules, a draft LM)."""
     device = resolve_device(device)
-    parallel = _tensor_parallel(engine_config, spec_config, device)
+    parallel = _tensor_parallel(engine_config, device)
     device = local_process_device(device) if parallel else device
     if str(target_dir) == DEMO_TARGET and isinstance(spec_config, MTPConfig) and spec_config.mtp_checkpoint is None:
         spec_config = spec_config.model_copy(update={"mtp_checkpoint": DEMO_MTP})  # shipped beside the target
@@ -68,11 +68,9 @@ def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engin
     if engine_config.tensor_parallel_size != tp_size:
         raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but the target is split "
                          f"over {tp_size} ranks")
-    if tp_size > 1:
-        _check_tp_spec(spec_config)
-        if engine_config.tp_all_reduce == "auto":  # every rank, together: a rendezvous
-            weight = target.lm_head.weight
-            symmetric.enable(target.parallel.group_name, weight.dtype, weight.device)
+    if tp_size > 1 and engine_config.tp_all_reduce == "auto":  # every rank, together: a rendezvous
+        weight = target.lm_head.weight
+        symmetric.enable(target.parallel.group_name, weight.dtype, weight.device)
     if spec_config is None:
         return ModelRunner(target, PlainWorker(), SpeculativeDecodingMode.NONE, engine_config, tokenizer)
     spec_config = resolve_demo_paths(spec_config)
@@ -106,17 +104,9 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _tensor_parallel(cfg: EngineConfig, spec_config: SpecConfig | None, device: torch.device
-                     ) -> TensorParallel | None:
+def _tensor_parallel(cfg: EngineConfig, device: torch.device) -> TensorParallel | None:
     """The tensor-parallel group, checked before any weight loads (the same error on every rank)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.tensor_parallel_size == 1 and launched == 1:
         return None
-    _check_tp_spec(spec_config)
     return TensorParallel.setup(cfg.tensor_parallel_size, device)
-
-
-def _check_tp_spec(spec_config: SpecConfig | None) -> None:
-    if isinstance(spec_config, MTPConfig):
-        raise ValueError("MTP with tensor_parallel_size > 1 is not supported yet (MTP modules share the target's "
-                         "vocabulary-parallel lm_head); use EAGLE-3 or tensor_parallel_size=1")

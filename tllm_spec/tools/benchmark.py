@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import SamplingParams
+from ..drafts.mtp.worker import MTPWorker
 from ..model.moe import MoE
 from ..sampling import flashinfer_ops
 from ..sampling.forcing import ENV_VAR
@@ -39,6 +40,8 @@ class Point:
     expert_bytes_per_step: float | None = None  # the expert weights a decoding step reads (in roofline_bytes_per_step)
     routing_steps: int | None = None  # decoding steps those means are over
     routing_same_tokens: bool | None = None  # the counting pass generated the timed run's tokens (so its routing)
+    draft_experts_per_step: float | None = None  # a MoE MTP block: its passes' distinct experts per step, summed
+    draft_expert_bytes_per_step: float | None = None  # the expert weights they are (in roofline_bytes_per_step)
 
 
 def measure_bandwidth(device: torch.device, gib: float = 2.0) -> dict[str, float]:
@@ -73,7 +76,8 @@ def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int 
     ``draft_len``: the step's drafts (default max_draft_len); with 0 the draft's first pass still reads its
     layer (it keeps the draft cache whole) but not its lm_head. A mixture-of-experts target reads its other weights
     once (attention, routers, norms, shared experts, dense layers, lm_head) and, per MoE layer, only the distinct
-    experts the step's tokens were routed to: ``routing`` (:func:`measure_routing`), which such a target needs."""
+    experts the step's tokens were routed to: ``routing`` (:func:`measure_routing`), which such a target needs; so
+    does a MoE MTP block, whose passes each read their own distinct experts (:func:`mtp_bytes`)."""
     target = model.target
     layers = moe_layers(target)
     if layers and (routing is None or len(routing.expert_bytes) != len(layers)):
@@ -103,7 +107,43 @@ def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int 
         draft = model.worker.draft_model
         draft_layers = _param_bytes(draft.decoder, skip=(draft.decoder.embed_tokens,))
         total += max(k, 1) * draft_layers + k * _param_bytes(draft.lm_head) + draft_kv
+    elif kind.startswith("mtp"):
+        total += mtp_bytes(model.worker, k, routing, per_token_kv[target.num_layers:], batch * context_len)
     return total  # SA reads no draft weights (its match arrays, a few bytes per position, are not counted)
+
+
+def mtp_bytes(worker, draft_len: int, routing: Routing | None, kv_per_token: list[int], kv_tokens: float) -> float:
+    """Bytes the draft passes of an MTP step read (worker: an MTP worker): each pass the blocks, eh_proj and norms
+    of the modules it runs and their KV layers (``kv_per_token`` [module] bytes, over ``kv_tokens`` positions); a
+    MoE block its non-expert weights there and its experts as ``routing`` measured them; each proposal its
+    module's head: its own, else the target's lm_head again (this rank's rows when tensor parallel)."""
+    draft = worker.draft_model
+    layers = moe_layers(draft)
+    if layers and (routing is None or len(routing.draft_expert_bytes) != len(layers)):
+        raise ValueError(f"the MTP modules have {len(layers)} MoE blocks: step_bytes needs their measured routing "
+                         "(measure_routing)")
+    experts = tuple(t for layer in layers for t in layer.expert_params)
+    passes, proposals = mtp_passes(worker, draft_len)
+    total = routing.draft_bytes_per_step if layers else 0.0
+    for m in (m for modules in passes for m in modules):
+        module = draft.mtp_modules[m]
+        own_head = (module.shared_head["head"],) if "head" in module.shared_head else ()
+        total += _param_bytes(module, skip=own_head, skip_tensors=experts) + kv_tokens * kv_per_token[m]
+    for m in proposals:
+        shared_head = draft.mtp_modules[m].shared_head
+        head = shared_head["head"] if "head" in shared_head else draft.lm_head  # noqa: SIM401 (a ModuleDict)
+        total += _param_bytes(head)
+    return total
+
+
+def mtp_passes(worker, draft_len: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(the modules each draft pass of an MTP step runs, the module each draft is proposed from). Vanilla MTP: every
+    module once, a draft each. MTP-Eagle (``MTPEagleWorker.draft``): pass s runs the modules used at step s or
+    later; ``draft_len`` drafts, none at 0 (its one pass only writes the modules' KV)."""
+    if isinstance(worker, MTPWorker):
+        return [(m,) for m in range(worker.max_draft_len)], list(range(worker.max_draft_len))
+    steps = worker.step_modules
+    return [tuple(sorted(set(steps[s:]))) for s in range(max(draft_len, 1))], list(steps[:draft_len])
 
 
 def spec_kind(model: SpecModel) -> str:
@@ -152,23 +192,28 @@ def run_point(model: SpecModel, batch: int, prompt_len: int, new_tokens: int, fo
                                       "expert_bytes_per_step": routing.bytes_per_step,
                                       "routing_steps": routing.num_steps,
                                       "routing_same_tokens": counted[1] == [o.token_ids for o in outputs]}
+    if routing is not None and routing.draft_expert_bytes:  # a MoE MTP block
+        moe.update(draft_experts_per_step=routing.mean_draft_experts,
+                   draft_expert_bytes_per_step=routing.draft_bytes_per_step)
     return Point(spec_kind(model), batch, draft_len, forced, stats["step_ms"], stats["host_ms_per_step"], per_step,
                  tps, bytes_per_step, roofline_tps, tps / roofline_tps, peak_gib, engine_path(model), **moe)
 
 
 def measure_routing(model: SpecModel, prompts: list[list[int]], params: SamplingParams, seed: int, max_rows: int
                     ) -> tuple[Routing, list[list[int]]] | None:
-    """The distinct experts each MoE layer of ``model``'s target reads per decoding step, from a run of ``prompts``
-    with its steps eager (graph replays log no routing), and the token ids that run generated: with the timed run's
-    prompts, forcing and seed they are the timed run's (eager and graphed numerics may still part them), and so is
-    the routing. Forwards of more than ``max_rows`` tokens (batch x (draft_len + 1)) are prompt steps, left out.
-    None for a dense target."""
+    """The distinct experts each MoE layer of ``model``'s target (and its draft's: an MTP block's passes) reads per
+    decoding step, from a run of ``prompts`` with its steps eager (graph replays log no routing), and the token ids
+    that run generated: with the timed run's prompts, forcing and seed they are the timed run's (eager and graphed
+    numerics may still part them), and so is the routing. Steps of more than ``max_rows`` target tokens (batch x
+    (draft_len + 1)) are prompt steps, left out. None for a dense target (its MTP blocks, its layer class, too)."""
     layers = moe_layers(model.target)
     if not layers:
         return None
-    with eager_steps(model), routing_logs(layers) as logs:
+    draft = getattr(model.worker, "draft_model", None)
+    draft_layers = moe_layers(draft) if draft is not None else []
+    with eager_steps(model), routing_logs(layers, draft_layers) as logs:
         outputs = model.generate(prompts, params, seed=seed)
-    return routing_of(layers, logs, max_rows), [o.token_ids for o in outputs]
+    return routing_of(layers, logs, max_rows, draft_layers), [o.token_ids for o in outputs]
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ GLM-4.5-Air- and Mixtral-8x7B-shaped models without a download) and the demo rec
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from ..drafts.eagle3.checkpoint import (
     head_llama_config,
     save_eagle3_checkpoint,
 )
+from ..drafts.mtp.checkpoint import save_mtp_weights
+from ..drafts.mtp.model import random_mtp_modules
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -126,16 +129,32 @@ def save_random_head(path: str | Path, config: PretrainedConfig, dialect: str = 
     return Path(path)
 
 
+def save_random_mtp(path: str | Path, config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> Path:
+    """One random MTP module for ``config``'s target (any shape: the block is of the target's own layer class),
+    drawn on ``device`` in ``dtype`` (the same weights on every rank of a tensor-parallel group) and written to
+    ``path`` (replaced) with the target's config.json, in the DeepSeek layout: an ``MTPConfig.mtp_checkpoint``."""
+    path = Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    config.to_json_file(path / "config.json", use_diff=False)
+    states = [{key: value.cpu() for key, value in state.items()}  # off the GPU before the per-expert copies
+              for state in random_mtp_modules(config, 1, seed, dtype=dtype, device=device)]
+    save_mtp_weights(path, states, "deepseek", num_target_layers=config.num_hidden_layers)
+    return path
+
+
 def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
                       device: str, seed: int = 0, spec_fields: dict | None = None, marks: dict | None = None,
                       draft_shape: str = "llama-3.2-1b", **engine_kwargs):
     """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
     "eagle3" (a random head written to ``workdir`` and loaded through the real loader), "draft_target" (a random
-    draft LM of ``draft_shape`` with the target's vocabulary, likewise), "sa" or "none". With
+    draft LM of ``draft_shape`` with the target's vocabulary, likewise), "mtp" (one random MTP module, likewise,
+    MTP-Eagle with ``max_draft_len`` drafts; a directory per rank), "sa" or "none". With
     ``tensor_parallel_size=N`` in ``engine_kwargs`` (under torchrun) each rank draws only its shards.
     ``spec_fields``: more fields of the spec config (a draft tree, use_sa_spec). ``marks``: gets the wall time
     (time.time()) at which the target and the draft checkpoint were ready (start-up's build phases)."""
-    from ..config import DraftTargetConfig, Eagle3Config, SAConfig
+    from ..config import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
     from ..distributed.parallel import TensorParallel, local_process_device
     from ..model.target import TargetModel
     from ..sampling import flashinfer_ops
@@ -162,10 +181,16 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
         spec_config = DraftTargetConfig(speculative_model=str(draft), max_draft_len=max_draft_len,
                                         **(spec_fields or {}))
         marks["draft_checkpoint"] = time.time()
+    elif spec == "mtp":  # each rank writes its own copy: save_mtp_weights appends to a directory's index
+        rank = f"-rank{parallel.rank}" if parallel else ""
+        mtp = save_random_mtp(Path(workdir) / f"{shape}-mtp{rank}", config, seed + 1, dtype, device)
+        spec_config = MTPConfig(num_nextn_predict_layers=1, max_draft_len=max_draft_len, mtp_checkpoint=str(mtp),
+                                **(spec_fields or {}))
+        marks["draft_checkpoint"] = time.time()
     elif spec == "sa":
         spec_config = SAConfig(max_draft_len=max_draft_len, **(spec_fields or {}))
     elif spec != "none":
-        raise ValueError(f"spec must be 'eagle3', 'draft_target', 'sa' or 'none', got {spec!r}")
+        raise ValueError(f"spec must be 'eagle3', 'draft_target', 'mtp', 'sa' or 'none', got {spec!r}")
     return SpecModel.from_target(target, spec_config, **engine_kwargs)
 
 

@@ -1,6 +1,7 @@
 """The experts a mixture-of-experts target's steps read: its MoE layers, their routing logged over a run, and the
 distinct experts of each layer per decoding step (a step reads an expert once, however many of its tokens went
-there: neither every expert nor top_k per token)."""
+there: neither every expert nor top_k per token). A draft's MoE layers (GLM-4.5's MTP block) run several passes a
+step, each a forward of its own: per step they read the distinct experts of each pass, summed over the passes."""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +33,9 @@ class Routing:
     distinct_per_layer: tuple[float, ...]  # [L] mean distinct experts of each MoE layer per decoding step
     expert_bytes: tuple[int, ...]  # [L] bytes of one of the layer's experts
     num_steps: int  # decoding steps averaged
+    # [L_draft] the draft's MoE layers: experts read per decoding step (each pass's distinct ones, summed), mean
+    draft_experts_per_layer: tuple[float, ...] = ()
+    draft_expert_bytes: tuple[int, ...] = ()  # [L_draft] bytes of one of the draft layer's experts
 
     @property
     def mean_distinct(self) -> float:
@@ -42,6 +46,29 @@ class Routing:
     def bytes_per_step(self) -> float:
         """Expert weights a decoding step reads: sum over layers of distinct experts x one expert's bytes."""
         return sum(d * b for d, b in zip(self.distinct_per_layer, self.expert_bytes))
+
+    @property
+    def mean_draft_experts(self) -> float:
+        """The draft's experts per decoding step, averaged over its MoE layers."""
+        return sum(self.draft_experts_per_layer) / len(self.draft_experts_per_layer)
+
+    @property
+    def draft_bytes_per_step(self) -> float:
+        """Expert weights a decoding step's draft passes read."""
+        return sum(d * b for d, b in zip(self.draft_experts_per_layer, self.draft_expert_bytes))
+
+
+class PassLog(list):
+    """A draft MoE layer's routing log: each forward's expert ids, as a plain log, and in ``steps`` the number of
+    target forwards logged (in ``step_log``) before each: the step it ran in, counted from 1."""
+
+    def __init__(self, step_log: list[torch.Tensor]):
+        super().__init__()
+        self.step_log, self.steps = step_log, []
+
+    def append(self, ids: torch.Tensor) -> None:
+        self.steps.append(len(self.step_log))
+        super().append(ids)
 
 
 def moe_layers(target: nn.Module) -> list[MoELayer]:
@@ -78,12 +105,15 @@ def _stock_layer(block: nn.Module) -> MoELayer:
 
 
 @contextlib.contextmanager
-def routing_logs(layers: list[MoELayer]) -> Iterator[list[list[torch.Tensor]]]:
+def routing_logs(layers: list[MoELayer], draft_layers: list[MoELayer] = ()) -> Iterator[list[list[torch.Tensor]]]:
     """Inside the block, every eager forward of each layer appends its expert ids [N, k] to that layer's list (one
     list per layer; a :class:`MoE` through its ``routing_log``, a stock block through a hook on its router).
     Compiled code and CUDA-graph replays append nothing. Refuses nesting over fused layers (a stock block would
-    log each forward twice)."""
+    log each forward twice). ``draft_layers`` (a draft's, after the target's ``layers``, of which there is one
+    at least) get their lists after the target's: :class:`PassLog` s, which note each forward's step."""
     logs: list[list[torch.Tensor]] = [[] for _ in layers]
+    logs += [PassLog(logs[0]) for _ in draft_layers]
+    layers = [*layers, *draft_layers]
     hooks = []
     fused = [layer.module for layer in layers if isinstance(layer.module, MoE)]
     if any(m.routing_log is not None for m in fused):
@@ -123,9 +153,26 @@ def _num_distinct(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return hit.index_fill_(0, ids.flatten().long(), True).sum()
 
 
-def routing_of(layers: list[MoELayer], logs: list[list[torch.Tensor]], max_rows: int) -> Routing:
-    """The :class:`Routing` of a run logged by :func:`routing_logs`, over its decoding steps."""
-    counts = distinct_experts(logs, [layer.num_experts for layer in layers], max_rows)
+def draft_experts(logs: list[PassLog], num_experts: list[int], step_log: list[torch.Tensor], max_rows: int
+                  ) -> torch.Tensor:
+    """[S, L_draft] int64: the experts draft layer l read in decoding step s, the distinct experts of each of its
+    forwards in the step summed. The steps are the target's forwards in ``step_log`` (its first MoE layer's) of at
+    most ``max_rows`` tokens, as in :func:`distinct_experts`."""
+    counts = torch.zeros(len(step_log), len(logs), dtype=torch.int64)
+    for layer, (log, experts) in enumerate(zip(logs, num_experts)):
+        if log:
+            distinct = torch.stack([_num_distinct(ids, experts) for ids in log]).cpu()  # one host sync a layer
+            counts[:, layer].index_add_(0, torch.tensor(log.steps) - 1, distinct)
+    return counts[[j for j, ids in enumerate(step_log) if ids.shape[0] <= max_rows]]
+
+
+def routing_of(layers: list[MoELayer], logs: list[list[torch.Tensor]], max_rows: int,
+               draft_layers: list[MoELayer] = ()) -> Routing:
+    """The :class:`Routing` of a run logged by :func:`routing_logs` (with ``draft_layers`` if it logged those),
+    over its decoding steps."""
+    counts = distinct_experts(logs[:len(layers)], [layer.num_experts for layer in layers], max_rows)
     if not len(counts):
         raise ValueError(f"no decoding step in the routing log (every forward had more than {max_rows} tokens)")
-    return Routing(tuple(counts.double().mean(0).tolist()), tuple(layer.expert_bytes for layer in layers), len(counts))
+    draft = draft_experts(logs[len(layers):], [layer.num_experts for layer in draft_layers], logs[0], max_rows)
+    return Routing(tuple(counts.double().mean(0).tolist()), tuple(layer.expert_bytes for layer in layers), len(counts),
+                   tuple(draft.double().mean(0).tolist()), tuple(layer.expert_bytes for layer in draft_layers))

@@ -2,7 +2,11 @@
 class (its own KV layer) -> ``shared_head.norm`` -> the module's own ``shared_head.head`` when its checkpoint has
 a distinct one (Step-3.5-style per-module heads), else the target's ``lm_head``. Embedding and rotary embedding
 are the target's. The block is whatever the target's class builds at layer L + i: a MoE block for GLM-4.5 (its
-``first_k_dense_replace`` dense layers come first), a dense one for Llama-like targets."""
+``first_k_dense_replace`` dense layers come first), a dense one for Llama-like targets.
+
+Tensor parallel: every rank holds the whole modules (the block is built from the target's unsharded config, so its
+fused layer has no ``tp_group``: no collective), read whole from the checkpoint; draft logits through the target's
+vocabulary-parallel ``lm_head`` are gathered as the target's rows are, and an own head stays whole."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +16,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from ...distributed.parallel import TensorParallel, all_ranks_agree, gather_vocab
 from ...model.attention import AttentionMetadata
 from ...model.decoder import fused_layer
 from ...model.layers import DecoderLayer
@@ -80,14 +85,17 @@ class MTPDraftModel(nn.Module):
     """The MTP modules of one checkpoint plus the target's embedding, head and rotary embedding.
 
     ``mtp_hidden_feedback`` picks the hidden handed on (to the next module, or to the next MTP-Eagle step):
-    ``"pre_norm"`` the block output, ``"post_norm"`` after ``shared_head.norm``.
+    ``"pre_norm"`` the block output, ``"post_norm"`` after ``shared_head.norm``. ``parallel``: the target is
+    tensor parallel, its ``lm_head`` this rank's rows of a ``vocab_size`` vocabulary.
     """
 
     def __init__(self, mtp_modules: list[MTPModule], embed_tokens: nn.Module, lm_head: nn.Module,
-                 rotary_emb: nn.Module, mtp_hidden_feedback: str):
+                 rotary_emb: nn.Module, mtp_hidden_feedback: str, parallel: TensorParallel | None = None,
+                 vocab_size: int | None = None):
         super().__init__()
         self.mtp_modules = nn.ModuleList(mtp_modules)
         self.embed_tokens, self.lm_head, self.rotary_emb = embed_tokens, lm_head, rotary_emb
+        self.parallel, self.vocab_size = parallel, vocab_size
         self.feed_post_norm = mtp_hidden_feedback == "post_norm"
         self.rope_table: RotaryTable | None = None  # set by fuse()
 
@@ -96,21 +104,24 @@ class MTPDraftModel(nn.Module):
                         device: torch.device) -> MTPDraftModel:
         """Build one module per checkpoint module from ``target`` (a TargetModel); module i owns KV layer L + i.
         A module's ``shared_head.head`` is kept only where it differs from the target's ``lm_head`` (DeepSeek-V3
-        stores a copy; Step-3.5 trains one head per module)."""
+        stores a copy; Step-3.5 trains one head per module). Each module is allocated once, in its final dtypes
+        (a GLM-4.5-Air MoE block is 9 GB in fp32)."""
         config, layer = target.config, target.decoder.layers[0]
         layer_cls = type(getattr(layer, "_orig_mod", layer))  # the class itself, even if torch.compile wrapped it
         norm_cls = type(target.decoder.norm)
         check_dense_target(config, norm_cls)
         mtp_modules = []
         for i, state in enumerate(ckpt.modules):
-            state = _without_copied_head(state, target.lm_head.weight, ckpt.disk_name(i, HEAD_KEY))
-            with torch.device(device):
+            state = _without_copied_head(state, target.lm_head.weight, target.vocab_size, target.parallel,
+                                         ckpt.disk_name(i, HEAD_KEY))
+            with torch.device("meta"):
                 module = MTPModule(config, layer_cls, norm_cls, target.num_layers + i,
                                    state[HEAD_KEY].shape[0] if HEAD_KEY in state else None)
+            module = _allocate(module, dtype, target.hf._keep_in_fp32_modules_strict, device)
             module.load_canonical(state, lambda key, i=i: ckpt.disk_name(i, key))
-            mtp_modules.append(_cast(module, dtype, target.hf._keep_in_fp32_modules_strict).eval())
+            mtp_modules.append(module.eval())
         return cls(mtp_modules, target.decoder.embed_tokens, target.lm_head, target.decoder.rotary_emb,
-                   mtp_hidden_feedback)
+                   mtp_hidden_feedback, target.parallel, target.vocab_size)
 
     def fuse(self, max_positions: int) -> None:
         """Inference fast path: every module's block as a fused layer (one q/k/v and one gate/up GEMM) and a
@@ -140,10 +151,16 @@ class MTPDraftModel(nn.Module):
         return self.mtp_modules[module](embeds, hidden, position_embeddings, attn)
 
     def compute_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [M, H] -> target-vocabulary logits [M, V] fp32, through the module's own head if any."""
+        """Pre-norm hidden [M, H] -> target-vocabulary logits [M, V] fp32, through the module's own head if any,
+        else the target's (tensor parallel: this rank's vocabulary rows, gathered from every rank)."""
         shared_head = self.mtp_modules[module].shared_head
-        head = shared_head["head"] if "head" in shared_head else self.lm_head  # noqa: SIM401 (ModuleDict has no get)
-        return head(shared_head["norm"](hidden)).float()
+        normed = shared_head["norm"](hidden)
+        if "head" in shared_head:
+            return shared_head["head"](normed).float()
+        logits = self.lm_head(normed)
+        if self.parallel is not None:
+            logits = gather_vocab(logits, self.vocab_size, self.parallel)
+        return logits.float()
 
     def feedback(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden handed on from ``module``'s pre-norm output [N, H]."""
@@ -180,25 +197,28 @@ def decoder_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.
 
 
 def random_mtp_modules(config: PretrainedConfig, num_modules: int, seed: int = 0, scale: float = 1.0,
-                       own_head: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Canonical float32 weights of ``num_modules`` random MTP modules for a ``config`` target: matrices (MoE
-    experts' [E, out, in] too, and the router) N(0, (0.5 / sqrt(fan_in))^2) times ``scale`` (> 1 sharpens
-    attention), fan_in the last dim; norms 1 + N(0, 0.1^2); biases N(0, 0.02^2), a router's
+                       own_head: bool = False, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """Canonical weights of ``num_modules`` random MTP modules for a ``config`` target, drawn on ``device`` in
+    ``dtype`` (a GLM-4.5-Air MoE module is 4.7 GB in bf16; only the shapes of a meta-device module are used):
+    matrices (MoE experts' [E, out, in] too, and the router) N(0, (0.5 / sqrt(fan_in))^2) times ``scale`` (> 1
+    sharpens attention), fan_in the last dim; norms 1 + N(0, 0.1^2); biases N(0, 0.02^2), a router's
     ``e_score_correction_bias`` too (enough to change the chosen experts of about 1 token in 10); ``own_head``
-    adds a random ``shared_head.head`` per module."""
+    adds a random ``shared_head.head`` per module. One seed draws the same weights on every device of a kind."""
     layer_cls, norm_cls = decoder_classes(config)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     states = []
     for i in range(num_modules):
-        module = MTPModule(config, layer_cls, norm_cls, config.num_hidden_layers + i,
-                           config.vocab_size if own_head else None)
+        with torch.device("meta"):
+            module = MTPModule(config, layer_cls, norm_cls, config.num_hidden_layers + i,
+                               config.vocab_size if own_head else None)
         state = {}
         for key, value in module.canonical_state().items():
-            noise = torch.randn(value.shape, generator=g)
+            noise = torch.randn(value.shape, generator=g, device=device, dtype=dtype)
             if value.dim() >= 2:
-                state[key] = noise * (0.5 * scale / value.shape[-1] ** 0.5)
+                state[key] = noise.mul_(0.5 * scale / value.shape[-1] ** 0.5)
             else:
-                state[key] = 1.0 + 0.1 * noise if key.endswith("norm.weight") else 0.02 * noise
+                state[key] = noise.mul_(0.1).add_(1.0) if key.endswith("norm.weight") else noise.mul_(0.02)
         states.append(state)
     return states
 
@@ -213,30 +233,41 @@ def save_random_mtp_weights(target_dir: str | Path, num_modules: int, layout: st
     return states
 
 
-def _cast(module: MTPModule, dtype: torch.dtype, keep_fp32: set[str]) -> MTPModule:
-    """``module``'s floating tensors in ``dtype``, except at 16-bit dtypes those the target's class keeps in fp32
-    (``keep_fp32``: its ``_keep_in_fp32_modules_strict`` name fragments, GLM's router ``gate.weight`` and
-    ``e_score_correction_bias``), which stay as read, as transformers loads the target's own layers."""
+def _allocate(module: MTPModule, dtype: torch.dtype, keep_fp32: set[str], device: torch.device) -> MTPModule:
+    """A meta-device ``module``'s storage on ``device``, uninitialised (the checkpoint fills it): floating tensors
+    in ``dtype``, except at 16-bit dtypes those the target's class keeps in fp32 (``keep_fp32``: its
+    ``_keep_in_fp32_modules_strict`` name fragments, GLM's router ``gate.weight`` and ``e_score_correction_bias``),
+    which stay as read, as transformers loads the target's own layers."""
+    computed = [name for m in module.modules() for name in m._non_persistent_buffers_set
+                if m._buffers[name] is not None]
+    if computed:  # no checkpoint holds them, and to_empty would leave them uninitialised
+        raise NotImplementedError(f"{type(module.block).__name__}: MTP blocks with computed buffers {computed}")
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         keep = dtype in (torch.float16, torch.bfloat16) and any(fragment in name for fragment in keep_fp32)
         if tensor.is_floating_point():
             tensor.data = tensor.data.to(torch.float32 if keep else dtype)
-    return module
+    return module.to_empty(device=device)
 
 
-def _without_copied_head(state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, name: str
-                         ) -> dict[str, torch.Tensor]:
-    """``state`` without its ``shared_head.head`` when that is a copy of the target's lm_head (no second copy in
-    memory); a head of another shape is refused naming the tensor (``name``)."""
+def _without_copied_head(state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor, vocab_size: int,
+                         parallel: TensorParallel | None, name: str) -> dict[str, torch.Tensor]:
+    """``state`` without its ``shared_head.head`` [V, H] when that is a copy of the target's lm_head (no second copy
+    in memory); a head of another shape is refused naming the tensor (``name``). Tensor parallel:
+    ``lm_head_weight`` holds this rank's rows (zero padding past ``vocab_size``), compared with the head's same
+    rows; the head counts as a copy only where it is one on every rank (one decision everywhere: a dropped head
+    makes the draft's logits a collective gather)."""
     head = state.get(HEAD_KEY)
     if head is None:
         return state
-    if head.shape != lm_head_weight.shape:
-        raise ValueError(f"{name}: expected shape {list(lm_head_weight.shape)} (the target's lm_head), "
-                         f"found {list(head.shape)}")
-    if torch.equal(head.to(lm_head_weight.device, lm_head_weight.dtype), lm_head_weight.detach()):
-        return {k: v for k, v in state.items() if k != HEAD_KEY}
-    return state
+    expected = [vocab_size, lm_head_weight.shape[1]]
+    if list(head.shape) != expected:
+        raise ValueError(f"{name}: expected shape {expected} (the target's lm_head), found {list(head.shape)}")
+    start = 0 if parallel is None else parallel.rank * lm_head_weight.shape[0]
+    rows = head[start:start + lm_head_weight.shape[0]]
+    copied = torch.equal(rows.to(lm_head_weight.device, lm_head_weight.dtype), lm_head_weight[:len(rows)].detach())
+    if parallel is not None:
+        copied = all_ranks_agree(copied, parallel, lm_head_weight.device)
+    return {k: v for k, v in state.items() if k != HEAD_KEY} if copied else state
 
 
 def _block_config(config: PretrainedConfig, kv_layer: int) -> PretrainedConfig:
