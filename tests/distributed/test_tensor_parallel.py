@@ -475,3 +475,21 @@ def test_random_sharded_target_with_a_random_mtp_module_for_benchmarks(tmp_path,
     assert ranks[0]["draft_experts"] == ranks[1]["draft_experts"] and 3 * 2 <= ranks[0]["draft_experts"] <= 3 * 8
     assert ranks[0]["routing_same_tokens"] and ranks[1]["routing_same_tokens"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-glm4-moe-mtp-rank0", "tiny-glm4-moe-mtp-rank1"]
+
+
+def _pages_of_rank(pages: list[int], target: str, head: str) -> int:
+    """The KV pool a rank builds when its own memory would allow ``pages[rank]`` pages."""
+    from tllm_spec.engine import runner as runner_module
+
+    rank = dist.get_rank()
+    runner_module._auto_num_pages = lambda *args: pages[rank]
+    model = SpecModel.from_pretrained(target, eagle3(Path(head), 3), max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
+    return model.runner.num_kv_pages
+
+
+@pytest.mark.slow  # two processes
+def test_every_rank_builds_the_smallest_kv_pool_of_any_rank():
+    """Ranks size their pools from their own free memory; they must agree, or admission diverges and a collective
+    hangs."""
+    target, head = tiny_tp_pair("llama")
+    assert run_ranks(_pages_of_rank, [40, 25], str(target), str(head)) == [25, 25]

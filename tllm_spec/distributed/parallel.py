@@ -131,11 +131,17 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int, parallel: TensorParallel
     return parts.view(parallel.size, rows, -1).transpose(0, 1).reshape(rows, -1)[:, :vocab_size]
 
 
+def min_over_ranks(value: int, parallel: TensorParallel, device: torch.device) -> int:
+    """The smallest ``value`` of all ranks, on every rank: one answer for a load-time choice that each rank would
+    make from its own state (a collective itself; ``device``: a CUDA one for NCCL)."""
+    vote = torch.tensor([value], dtype=torch.int64, device=device)
+    return int(_c10d.wait_tensor(_c10d.all_reduce(vote, "min", parallel.group_name)).item())
+
+
 def all_ranks_agree(flag: bool, parallel: TensorParallel, device: torch.device) -> bool:
-    """Whether ``flag`` holds on every rank: one answer on all of them, for a load-time choice that decides which
-    collectives the steps run (a collective itself; ``device``: a CUDA one for NCCL)."""
-    vote = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    return bool(_c10d.wait_tensor(_c10d.all_reduce(vote, "min", parallel.group_name)).item())
+    """Whether ``flag`` holds on every rank (:func:`min_over_ranks`): for a load-time choice that decides which
+    collectives the steps run."""
+    return bool(min_over_ranks(int(flag), parallel, device))
 
 
 def broadcast_from_first(x: torch.Tensor, parallel: TensorParallel) -> torch.Tensor:

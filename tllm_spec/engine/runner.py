@@ -13,6 +13,7 @@ from ..drafts.metadata import SpecMetadata, sampling_variant
 from ..guided.decoder import GuidedDecoder
 from ..guided.grammar import GrammarCompiler
 from ..model.attention import AttentionMetadata
+from ..distributed.parallel import min_over_ranks
 from ..model.decoder import is_moe, refuse_unsupported_moe
 from ..model.kv_cache import KVCache
 from ..model.target import TargetModel
@@ -306,6 +307,8 @@ class ModelRunner:
         num_pages = self.engine_config.num_pages or _auto_num_pages(
             shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config.kv_cache_fraction,
             self.device, dtype)
+        if self.target.parallel is not None:  # ranks with different free memory still admit alike (lockstep)
+            num_pages = min_over_ranks(num_pages, self.target.parallel, self.device)
         return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, dtype, self.device)
 
 

@@ -238,7 +238,7 @@ def engine_path(model: SpecModel) -> str:
     if layers:
         parts.append("fused MoE" if isinstance(layers[0].module, MoE) else
                      f"stock HF experts (experts_implementation={target.hf.config._experts_implementation})")
-    compiled = graphs is not None and (graphs.compile_step or target.compiled)  # whole step or layer by layer
+    compiled = graphs is not None and (graphs.compile_step or target.compiled or target._fused_compiled is not None)
     parts.append("eager steps" if graphs is None else "CUDA graphs" + (", compiled" if compiled else ""))
     return ", ".join(parts)
 
