@@ -91,6 +91,11 @@ def build(path, random_target, **cfg):
 def write_deepseek(path, edit):
     """One DeepSeek-layout module for the tiny Qwen2 target, with ``edit(tensors)`` applied on disk."""
     save_mtp_weights(path, random_mtp_modules(target_config("qwen2"), 1), "deepseek", num_target_layers=L)
+    rewrite_shard(path, edit)
+
+
+def rewrite_shard(path, edit) -> None:
+    """Apply ``edit(tensors)`` to the MTP shard save_mtp_weights wrote in ``path``, keeping the index in step."""
     tensors = load_file(path / "model-mtp.safetensors")
     edit(tensors)
     save_file(tensors, path / "model-mtp.safetensors")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tllm_spec import MTPConfig
@@ -32,6 +32,7 @@ from tllm_spec.model.target import TargetModel
 from tllm_spec.tools.random_models import save_random_target, target_config
 
 from ..models import hf_model
+from .test_mtp_checkpoint import rewrite_shard
 
 L, E, I = 2, 8, 32  # target layers, routed experts, expert intermediate size
 GLM4_MOE = {"hidden_size": 64, "num_hidden_layers": L, "first_k_dense_replace": 1, "n_routed_experts": E,
@@ -115,14 +116,7 @@ def test_experts_are_written_one_tensor_per_expert(tmp_path):
     assert 0 < state["mlp.gate.e_score_correction_bias"].abs().max() < 0.1
 
 
-def rewrite(path: Path, edit) -> None:
-    """Apply ``edit(tensors)`` to the MTP shard written by save_mtp_weights, keeping the index in step."""
-    tensors = load_file(path / "model-mtp.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model-mtp.safetensors")
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    index["weight_map"] = dict.fromkeys(tensors, "model-mtp.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+rewrite = rewrite_shard  # edit the MTP shard save_mtp_weights wrote, keeping the index in step
 
 
 def fuse_on_disk(t):

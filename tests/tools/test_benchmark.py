@@ -1,9 +1,7 @@
 """The roofline byte count of a generation step (a MoE target's with its measured distinct experts; MTP modules'
 per pass, a MoE block's with the experts of each pass), the draft-length sweep's arithmetic, MoE points on the
 CPU and the CLI's MoE shapes and --mtp (the benchmark itself runs on a GPU; no timing is asserted)."""
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +24,6 @@ from tllm_spec.tools.routing import Routing, moe_layers, routing_of
 
 from ..models import eagle3, tiny_pair
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "benchmark.py"
 
 
 def ids(*rows: list[int]) -> torch.Tensor:
@@ -126,12 +123,6 @@ def test_eager_steps_set_the_graphs_aside_and_give_them_back():
     assert model.runner.graph_runner is graphs
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "glm-4.5-air", "mixtral-8x7b", "tiny-qwen3-moe"])

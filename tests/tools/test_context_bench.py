@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,17 +36,10 @@ from tllm_spec.tools.random_models import target_config
 
 from ..models import eagle3, tiny_pair
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "benchmark.py"
 POINT_KEYS = {"batch", "context", "mode", "forced_drafts", "step_ms", "roofline_fraction",
               "prefill_tokens_per_second", "ttft_s", "skipped"}
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse(script, monkeypatch, *argv: str):
