@@ -180,7 +180,7 @@ def test_prompts_beside_the_graph_keep_a_draft_len_schedule(monkeypatch):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
-@pytest.mark.parametrize("tree", ["static", "dynamic"])
+@pytest.mark.parametrize("tree", ["static", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_draft_trees_through_the_graph_runner_equal_eager(tree, monkeypatch):
     """A draft tree's step as the graph runner runs it (static buffers padded to buckets, tree runs rotated and
     masked inside the step, steps run ahead on the device's own outputs, a prompt joining the batch run beside its

@@ -67,8 +67,8 @@ def _step_modules(model):
     return model.runner.model, model.runner.kv_cache
 
 
-@pytest.mark.parametrize("worker,temperature", [  # the README command keeps a sampled chain (SA) and plain decoding
-    pytest.param(*case, marks=pytest.mark.slow) if case not in (("plain", 0.0), ("sa", 0.8)) else case
+@pytest.mark.parametrize("worker,temperature", [  # the README command keeps plain decoding
+    pytest.param(*case, marks=pytest.mark.slow) if case != ("plain", 0.0) else case
     for case in [("eagle3", 0.0), ("eagle3", 0.8), ("mtp", 0.8), ("mtp_vanilla", 0.0), ("plain", 0.0),
                  ("draft_target", 0.0), ("draft_target", 0.8), ("sa", 0.8), ("eagle3+sa", 0.8),
                  ("eagle3_static_tree", 0.0), ("eagle3_static_tree", 0.8), ("eagle3_dynamic_tree", 0.0),
@@ -89,6 +89,7 @@ def test_generation_step_breaks_only_at_the_layer_stack(worker, temperature):
     assert explained.op_count > 0
 
 
+@pytest.mark.slow  # compiles every batch bucket: seven seconds here, out of the README command for its margin
 def test_one_compiled_step_serves_every_batch_size():
     """The batch size stays symbolic (SpecMetadata takes the request count from the drafts' shape): one
     compilation with dynamic shapes serves batch sizes 2, 3 and 5, and each call equals the eager step. (Batch 1
@@ -131,6 +132,7 @@ def test_uniform_draws_the_eager_numbers_when_compiled():
     assert torch.bitwise_xor not in targets and torch.ops.aten.bitwise_xor not in targets
 
 
+@pytest.mark.slow  # compiles the step twice over: six seconds here, kept out of the README command for its margin
 def test_a_new_forced_count_needs_no_recompilation():
     """TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS reaches the compiled step as a device value: forcing 1.5 then
     3 drafts is one compilation, and the second call accepts every draft."""

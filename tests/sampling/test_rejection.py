@@ -92,7 +92,7 @@ def _model(k, max_batch_size=64, draft_vocab_size=None):
     return target, SpecModel.from_pretrained(target, cfg, max_batch_size=max_batch_size)
 
 
-@pytest.mark.parametrize("k,draft_vocab_size", [(1, None), (3, None), (3, 5)])
+@pytest.mark.parametrize("k,draft_vocab_size", [(1, None), pytest.param(3, None, marks=pytest.mark.slow), (3, 5)])
 def test_end_to_end_distribution_with_rejection_sampling(k, draft_vocab_size):
     target, model = _model(k, draft_vocab_size=draft_vocab_size)
     counts, stats = sample_pairs(model, 1.0, seed=k)

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 
 from tllm_spec import SamplingParams
 
@@ -41,6 +42,7 @@ async def _run_all(base_url: str, requests: list[dict]) -> tuple[list[str], list
     return streamed, whole
 
 
+@pytest.mark.slow  # 32 streams through the real server: ten seconds on the 2-core machine
 def test_32_concurrent_streams_each_equal_its_non_streamed_result_and_offline(server_url, offline):
     requests = [_request(i) for i in range(NUM_CLIENTS)]
     streamed, whole = asyncio.run(_run_all(server_url, requests))

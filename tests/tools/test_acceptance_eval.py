@@ -85,6 +85,7 @@ def test_evaluate_reports_every_head_and_temperature():
     assert table.split("\n")[3].endswith("| 2/2 |") and table.split("\n")[4].endswith("| - |")
 
 
+@pytest.mark.slow  # the evaluation CLI end to end: six seconds here, kept out of the README command for its margin
 def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("eval_acceptance", SCRIPT)
     script = importlib.util.module_from_spec(spec)
