@@ -82,6 +82,9 @@ class SamplingParams(_Frozen):
         "(RequestOutput.logprobs / top_logprobs), from the target's raw log_softmax(logits) in fp32 at the row "
         "that produced the token: before temperature / top-k / top-p (vLLM's raw logprobs), after a grammar's "
         "mask; the same with and without speculation")
+    cache_salt: str | None = Field(None, max_length=1024, description="prefix caching: requests share cached "
+                                   "prompt pages only with requests of the same salt (tenant isolation, as vLLM's "
+                                   "cache_salt); None: the unsalted cache")
 
     @property
     def is_greedy(self) -> bool:
@@ -116,6 +119,11 @@ class EngineConfig(_Frozen):
                                        "requests start once none has arrived for this long (and at most "
                                        f"{ADMISSION_WINDOW_CAP}x this after the first): a burst of arrivals shares "
                                        "one prefill step; 0: start at once")
+    enable_prefix_caching: bool | None = Field(
+        None, description="share the K/V of prompt pages another request already prefilled (engine/prefix_cache.py): "
+        "a long shared prefix (system prompt, conversation so far) is prefilled once. None: on for a GPU, off for "
+        "the CPU, where the engine is the reference the tests compare against: there each prompt is computed from "
+        "its first token unless asked, so an output never depends on which requests ran before it")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (debugging)")
     use_fused_layers: bool = Field(True, description="run supported targets (Llama, Qwen2, Qwen3, Mistral; the "
                                    "MoE families Qwen3-MoE, Mixtral, GLM-4.5), EAGLE-3 heads and MTP modules "

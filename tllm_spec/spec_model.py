@@ -99,6 +99,11 @@ class SpecModel:
         """End a streaming request early (its pages are freed at the next step boundary)."""
         self.loop.abort(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt page (prefix caching), between steps: the next requests prefill from their
+        first token (benchmarks' cold runs). Pages in use stay with their requests."""
+        self.loop.call(self.engine.prefix_cache.reset)
+
     def warmup(self, logprobs: Sequence[int] = ()) -> int:
         """Compile and capture now, not on a request's path: every batch bucket's CUDA graph for greedy, sampled
         and seeded sampled requests (FlashInfer's sampling build comes with the first sampled capture), and for

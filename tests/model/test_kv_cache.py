@@ -223,9 +223,9 @@ def test_no_page_leak_under_pool_pressure(monkeypatch):
     in_flight: list[int] = []
     real_allocate = kv.allocate
 
-    def allocate(num_tokens):
+    def allocate(num_tokens, shared=()):
         in_flight.append(kv.num_free_slots)
-        return real_allocate(num_tokens)
+        return real_allocate(num_tokens, shared)
 
     monkeypatch.setattr(kv, "allocate", allocate)
     for _ in range(2):  # a second call shows no drift

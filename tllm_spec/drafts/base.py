@@ -107,6 +107,19 @@ class SpecWorkerBase(nn.Module, ABC):
         tokens before its prompt's end (chunked prefill)."""
         return 1
 
+    @property
+    def kv_lookahead(self) -> int:
+        """Tokens after position p that the draft's K/V at p depends on (prefix caching keys a page with them):
+        the draft pairs position p with token p + 1, so 1; vanilla MTP N; none (0) without a shifted draft."""
+        return self.context_lookahead if self.kv_layer_shapes() else 0
+
+    def prefix_reused(self, slot: int, tokens: list[int]) -> None:
+        """A request in ``slot`` starts with ``tokens`` cached (prefix caching): its first prompt chunk starts
+        past them. Per-slot state that reads the prompt from its first token takes them here (an SA enhancer's
+        text); default none."""
+        if self.sa_enhancer is not None:
+            self.sa_enhancer.prefix_reused(slot, tokens)
+
     def fuse(self, max_positions: int) -> None:
         """Switch the draft network to its fused inference layers (positions < max_positions); default none."""
 

@@ -32,6 +32,10 @@ class EngineState:
     max_batch_size: int
     num_cuda_graphs: int = 0  # captured CUDA graphs
     num_compiled_graphs: int = 0  # graphs torch.compile has compiled in this process
+    num_evictable_kv_pages: int = 0  # cached prefix pages no request holds (counted in num_free_kv_pages)
+    num_used_kv_pages: int = 0  # pages requests hold: free + evictable + used = the pool (num_kv_pages - 1)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class AsyncEngine:
@@ -92,12 +96,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt page (between steps; PrefixCache.reset)."""
+        self.loop.call(self.loop.engine.prefix_cache.reset)
+
     def state(self) -> EngineState:
         engine = self.loop.engine
-        graphs = engine.runner.graph_runner
+        graphs, pages, cache = engine.runner.graph_runner, engine.kv.pages, engine.prefix_cache
         return EngineState(len(engine.running), len(engine.waiting), engine.kv.num_free_pages,
                            engine.runner.num_kv_pages, engine.runner.max_batch_size,
-                           len(graphs.graphs) if graphs is not None else 0, num_compiled_graphs())
+                           len(graphs.graphs) if graphs is not None else 0, num_compiled_graphs(),
+                           pages.num_evictable, pages.num_in_use, cache.queries, cache.hits)
 
 
 _ANNOUNCEMENT: contextvars.ContextVar[Announcement | None] = contextvars.ContextVar("tllm_spec_announcement",

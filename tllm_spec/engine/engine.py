@@ -18,6 +18,7 @@ from ..config import SamplingParams
 from ..sampling.logprobs import StepLogprobs
 from .admission import AdmissionPolicy
 from .detokenizer import Detokenizer
+from .prefix_cache import PrefixCache
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
 from .runner import ModelRunner
 from .scheduler import StepPlan, plan_step
@@ -40,6 +41,7 @@ class Engine:
         self.max_seq_len = runner.max_seq_len
         self.max_num_batched_tokens = runner.engine_config.max_num_batched_tokens  # prompt tokens per step
         self.admission = AdmissionPolicy(runner.engine_config)
+        self.prefix_cache = PrefixCache.of(runner)
         self.guided_error: str | None = None  # why guided decoding is unavailable (its requests are rejected)
         self.timer = DecodeTimer()  # every decode step since the engine was made
         self.waiting: deque[Request] = deque()
@@ -57,9 +59,7 @@ class Engine:
         self._host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
             if runner.device.type == "cuda" else []
 
-    @property
-    def tokenizer(self):
-        return self.runner.tokenizer
+    tokenizer = property(lambda self: self.runner.tokenizer)
 
     @property
     def num_requests(self) -> int:
@@ -223,20 +223,20 @@ class Engine:
 
     def _admit(self) -> list[Request]:
         """Move waiting requests in (FIFO) while batch slots and KV pages last, once they are due
-        (:class:`AdmissionPolicy`)."""
+        (:class:`AdmissionPolicy`). A request whose prompt starts with cached pages shares them and prefills
+        from the first page not cached (:mod:`.prefix_cache`)."""
         admitted: list[Request] = []
         if not self.waiting or not self.admission.due(self.waiting, self.running):
             return admitted
         while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size and self._fits():
             r = self.waiting.popleft()
-            r.slot = self.kv.allocate(self._reserved_tokens(len(r.prompt), r.params))
+            r.slot = self.prefix_cache.allocate(r, self._reserved_tokens(len(r.prompt), r.params))
             admitted.append(r)
         return admitted
 
     def _fits(self) -> bool:
-        """Whether the KV pool has the pages the oldest waiting request reserves."""
-        r = self.waiting[0]
-        return self.kv.can_allocate(self._reserved_tokens(len(r.prompt), r.params))
+        r = self.waiting[0]  # whether the pool has the pages the oldest waiting one reserves (cached ones shared)
+        return self.prefix_cache.fits(r, self._reserved_tokens(len(r.prompt), r.params))
 
     def _run(self, plan: StepPlan, hold: bool) -> None:
         """Steps for ``plan`` until one of its requests ends or the batch must change (``hold``: after one step,
@@ -326,6 +326,7 @@ class Engine:
             n = row[self.k + 1]
             if b < len(step.context_ends):
                 r.num_cached = step.context_ends[b]
+                self.prefix_cache.publish(r)  # the step has completed: its prompt pages are written
                 if r.is_context:
                     continue  # a partial prompt chunk: what the step sampled and drafted for it is discarded
             else:

@@ -19,6 +19,7 @@ class AcceptanceStats:
     max_draft_len: int
     accepted_per_step: list[int] = field(default_factory=list)
     drafts_per_step: list[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not prefilled)
 
     def record(self, num_accepted: int, num_drafts: int | None = None) -> None:
         self.accepted_per_step.append(num_accepted)
@@ -27,6 +28,7 @@ class AcceptanceStats:
     def merge(self, other: AcceptanceStats) -> None:
         self.accepted_per_step.extend(other.accepted_per_step)
         self.drafts_per_step.extend(other.drafts_per_step)
+        self.cached_prompt_tokens += other.cached_prompt_tokens
 
     @property
     def num_steps(self) -> int:
@@ -141,6 +143,8 @@ class Request:
     logprobs: list[float] | None = None  # per output token (SamplingParams.logprobs set): its logprob
     top_logprobs: list[dict[int, float]] | None = None  # per output token: the top N {token id: logprob}
     arrival: float = 0.0  # when the engine queued it (AdmissionPolicy.clock)
+    page_keys: list[bytes] | None = None  # its prompt pages' prefix-cache keys (PrefixCache.keys_of)
+    num_published: int = 0  # its first pages that are cached (reused or published by it)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from ..kernels.kv_write import flat_slot_index
 from ..kernels.move_rows import cache_table
+from .page_pool import PagePool
 
 SCRATCH_PAGE = 0  # never handed out: unused block-table entries (and padding rows) point here
 
@@ -20,6 +22,9 @@ class KVCache:
     device table takes every row changed since its last read in one copy when it is next read (``block_tables``),
     or at :meth:`flush`: a serving engine that frees and admits dozens of requests between two steps makes a few
     device calls instead of several per request (each call lets the server's threads take the interpreter).
+
+    Prefix caching shares pages between rows: ``pages`` (:class:`PagePool`) counts each page's holders and keeps
+    released pages that hold a cached prefix evictable; a row's shared pages are only ever read.
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int]], num_pages: int, page_size: int, max_requests: int,
@@ -40,7 +45,7 @@ class KVCache:
                                         dtype=torch.int32, device=device)
         self._changed: dict[int, list[int]] = {}  # slot -> its pages, not yet written to the device table
         self.padding_slot = max_requests
-        self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self.pages = PagePool(num_pages, first=SCRATCH_PAGE + 1)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
 
@@ -64,7 +69,8 @@ class KVCache:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        """Pages an allocation can take now: free, and evictable cached pages (:class:`PagePool`)."""
+        return self.pages.num_available
 
     @property
     def num_free_slots(self) -> int:
@@ -73,27 +79,31 @@ class KVCache:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return bool(self._free_slots) and self.pages_for(num_tokens) <= len(self._free_pages)
+    def can_allocate(self, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        return bool(self._free_slots) and self.pages.can_take(self.pages_for(num_tokens) - len(shared), shared)
 
-    def allocate(self, num_tokens: int) -> int:
-        """Reserve pages for ``num_tokens`` positions; returns the request's slot (its block-table row)."""
+    def allocate(self, num_tokens: int, shared: Sequence[int] = ()) -> int:
+        """Reserve pages for ``num_tokens`` positions, the first ``len(shared)`` of them the cached pages
+        ``shared`` (a reused prefix: read, never written); returns the request's slot (its block-table row)."""
         num = self.pages_for(num_tokens)
         if num > self.max_pages_per_request:
             raise ValueError(f"{num_tokens} tokens exceed a request's block table ({self.max_pages_per_request} "
                              f"pages of {self.page_size})")
-        if not self.can_allocate(num_tokens):
-            raise RuntimeError(f"KV pool exhausted: {num} pages wanted, {len(self._free_pages)} free")
+        if not self.can_allocate(num_tokens, shared):
+            raise RuntimeError(f"KV pool exhausted: {num - len(shared)} pages wanted, {self.num_free_pages} free")
         slot = self._free_slots.pop()
-        pages = [self._free_pages.pop() for _ in range(num)]
-        self._pages[slot] = self._changed[slot] = pages
+        self._pages[slot] = self._changed[slot] = list(shared) + self.pages.take(num - len(shared), shared)
         return slot
 
     def free(self, slot: int) -> None:
-        """Return a finished request's pages and slot to the pool."""
-        self._free_pages.extend(reversed(self._pages.pop(slot)))
+        """Return a finished request's slot, and its holds on its pages, to the pool."""
+        self.pages.release(self._pages.pop(slot))
         self._free_slots.append(slot)
         self._changed[slot] = []
+
+    def pages_of(self, slot: int) -> list[int]:
+        """A request's block-table row (its pages, first position first)."""
+        return self._pages[slot]
 
     def write_index(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat index (page * page_size + offset) of each token's K/V. [N] int64 -> [N] int64, on device."""

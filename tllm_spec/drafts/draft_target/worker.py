@@ -43,6 +43,10 @@ class DraftTargetOneModelWorker(SpecWorkerBase):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return self.draft_model.kv_layer_shapes()
 
+    @property
+    def kv_lookahead(self) -> int:
+        return 0  # the draft LM reads the tokens themselves: its K/V at p is a function of tokens <= p
+
     def fuse(self, max_positions: int) -> None:
         self.draft_model.fuse(max_positions)
 

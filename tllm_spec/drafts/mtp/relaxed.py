@@ -41,6 +41,11 @@ class RelaxedAcceptance(nn.Module):
         ctx_state = prompt_thinking_state(input_ids, ctx_last_ids, self.begin, self.end, carried)
         return torch.cat([ctx_state, self.thinking_per_slot[slots[num_ctx:]]])
 
+    def prefix_reused(self, slot: int, tokens: list[int]) -> None:
+        """A prompt's first tokens came from the prefix cache: the slot's state after them (its last marker)."""
+        markers = [t for t in tokens if t in (self.begin, self.end)]
+        self.thinking_per_slot[slot] = bool(markers) and markers[-1] == self.begin
+
     def accept(self, gen_logits: torch.Tensor, gen_target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
                thinking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Generation requests. gen_logits [G*(K+1), V]; gen_target_tokens [G*(K+1)]; draft_tokens [G, K];

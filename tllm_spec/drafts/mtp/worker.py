@@ -76,6 +76,11 @@ class _MTPWorkerBase(SpecWorkerBase):
         """Next drafts [B, k'] int64 (k' = spec_metadata.next_draft_len). row_tokens [R]: the accepted token
         following each sampled row."""
 
+    def prefix_reused(self, slot: int, tokens: list[int]) -> None:
+        super().prefix_reused(slot, tokens)
+        if self.relaxed is not None:
+            self.relaxed.prefix_reused(slot, tokens)
+
     def _propose(self, module: int, hidden: torch.Tensor, step: int, slots: torch.Tensor,
                  spec_metadata: SpecMetadata) -> torch.Tensor:
         """Draft ``step`` from ``module``'s pre-norm hidden [B, H]: argmax, or a sample kept for rejection

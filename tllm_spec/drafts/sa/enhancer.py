@@ -33,6 +33,10 @@ class SADraftEnhancer(nn.Module):
         if self.global_pool_size is not None:
             self.pool = GlobalPool(num_slots, self.global_pool_size, self.state.min_match).to(device)
 
+    def prefix_reused(self, slot: int, tokens: list[int]) -> None:
+        """A prompt's first tokens came from the prefix cache: they start the slot's text."""
+        self.state.prefill(slot, tokens)
+
     def request_finished(self, token_ids: list[int]) -> None:
         """A finished request's prompt and output join the global pool (when there is one)."""
         if self.pool is not None:

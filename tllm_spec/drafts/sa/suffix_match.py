@@ -93,6 +93,12 @@ class SuffixMatch(nn.Module):
         self.match[slots] = match_update(self.tokens[slots], fresh, length - num_new, num_new, max(capped))
         self.length[slots] = length
 
+    def prefill(self, slot: int, tokens: Sequence[int]) -> None:
+        """The first tokens of a slot's prompt, reused from the prefix cache: its first chunk (:meth:`start`,
+        past them) rebuilds the match array over the whole text."""
+        kept = list(tokens[:self.max_len])
+        self.tokens[slot, :len(kept)] = torch.tensor(kept, dtype=torch.int64).to(self.tokens.device)
+
     def extend(self, slots: torch.Tensor, new_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
         """Append the first ``num_new[b]`` of ``new_tokens[b]`` to slot ``slots[b]`` (a row with 0 is unchanged).
 

@@ -39,6 +39,9 @@ class SAWorker(SpecWorkerBase):
     def request_finished(self, token_ids: list[int]) -> None:
         self.sa.request_finished(token_ids)
 
+    def prefix_reused(self, slot: int, tokens: list[int]) -> None:
+        self.sa.prefix_reused(slot, tokens)
+
     def forward(self, input_ids: torch.Tensor, target_logits: torch.Tensor, target_features: torch.Tensor,
                 draft_tokens: torch.Tensor, attn: AttentionMetadata, spec_metadata: SpecMetadata
                 ) -> dict[str, torch.Tensor]:
