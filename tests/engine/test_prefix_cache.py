@@ -83,16 +83,16 @@ def generate_one(model: SpecModel, prompt: list[int], params: SamplingParams, st
     return out if steps is None else (out, steps[start:])
 
 
-def expected_hit(kind: str, prompt: list[int], earlier: list[list[int]]) -> int:
+def expected_hit(kind: str, prompt: list[int], earlier: list[list[int]], page: int = PAGE) -> int:
     """The cached prompt tokens the documented rule gives: the longest run of pages whose tokens and the drafter's
     lookahead match an earlier prompt's (which published them), leaving max(1, lookahead) tokens to compute."""
     lookahead = {"plain": 0, "sa": 0, "draft_target": 0, "vanilla3": 3}.get(kind, 1)
     best = 0
     for other in earlier:
         common = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
-        pages = min((common - lookahead) // PAGE, (len(other) - lookahead) // PAGE,
-                    (len(prompt) - max(1, lookahead)) // PAGE)
-        best = max(best, pages * PAGE)
+        pages = min((common - lookahead) // page, (len(other) - lookahead) // page,
+                    (len(prompt) - max(1, lookahead)) // page)
+        best = max(best, pages * page)
     return best
 
 
