@@ -1,7 +1,8 @@
 """The serving benchmark against a real HTTP server started here: a fake OpenAI completions endpoint (FastAPI +
 uvicorn in a thread) that streams a known number of chunks with known delays and token counts, and can answer
 some requests with HTTP 429. Its model card states a vocabulary and a context length (as tllm-spec serve's do);
-its second card does not (as other servers' may not)."""
+its second card does not (as other servers' may not). Its usage counts a prompt's ids (or words) and can report
+cached prompt tokens as tllm-spec serve does (OpenAI's prompt_tokens_details, null until the last chunk)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,20 +22,10 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tllm_spec.tools import bench_serving_cli
-from tllm_spec.tools.bench_serving import (
-    BenchConfig,
-    RequestRecord,
-    compare,
-    file_prompts,
-    format_table,
-    itl,
-    percentile,
-    poisson_arrivals,
-    random_prompts,
-    run_benchmark,
-    stats_ms,
-    write_report,
-)
+from tllm_spec.tools.bench_datasets import file_prompts, random_prompts
+from tllm_spec.tools.bench_report import compare, format_table, write_report
+from tllm_spec.tools.bench_serving import BenchConfig, RequestRecord, poisson_arrivals, run_benchmark
+from tllm_spec.tools.bench_stats import itl, percentile, stats_ms
 
 FIRST_DELAY, DELAY = 0.05, 0.02  # s before the first chunk, between chunks
 NUM_CHUNKS, TOKENS_PER_CHUNK = 5, 3
@@ -49,6 +40,7 @@ class Fake:
         self.usage = "continuous"  # "continuous": usage in every chunk; "final": only a last usage chunk; "none"
         self.fail_every = 0  # answer every n-th request (the n-th, 2n-th, ...) with HTTP 429
         self.send_done = True
+        self.cached: int | None = None  # usage.prompt_tokens_details.cached_tokens of every request (None: absent)
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
 
@@ -70,30 +62,34 @@ async def completions(request: fastapi.Request):
     fake.auth.append(request.headers.get("authorization"))
     if fake.fail_every and len(fake.bodies) % fake.fail_every == 0:
         return JSONResponse({"error": {"message": "rate limited"}}, status_code=429)
-    return StreamingResponse(events(body["model"]), media_type="text/event-stream")
+    num_prompt = len(body["prompt"]) if isinstance(body["prompt"], list) else len(body["prompt"].split())
+    return StreamingResponse(events(body["model"], num_prompt), media_type="text/event-stream")
 
 
-def chunk(model: str, text: str, usage: int | None) -> str:
+def chunk(model: str, text: str, usage: int | None, num_prompt: int = 4, last: bool = False) -> str:
     out = {"id": "cmpl-1", "object": "text_completion", "model": model,
            "choices": [{"index": 0, "text": text, "finish_reason": None}] if text is not None else []}
     if usage is not None:
-        out["usage"] = {"prompt_tokens": 4, "completion_tokens": usage, "total_tokens": 4 + usage}
+        out["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": usage, "total_tokens": num_prompt + usage}
+        if fake.cached is not None:
+            out["usage"]["prompt_tokens_details"] = {"cached_tokens": fake.cached} if last else None
     return f"data: {json.dumps(out)}\n\n"
 
 
-async def events(model: str):
+async def events(model: str, num_prompt: int = 4):
     await asyncio.sleep(FIRST_DELAY)
     yield ": keep-alive comment, not data\n\n"
-    yield chunk(model, "", 0 if fake.usage == "continuous" else None)  # an empty delta: not a token
+    yield chunk(model, "", 0 if fake.usage == "continuous" else None, num_prompt)  # an empty delta: not a token
     for i in range(1, NUM_CHUNKS + 1):
         if i > 1:
             await asyncio.sleep(DELAY)
-        yield chunk(model, "ab" * TOKENS_PER_CHUNK, i * TOKENS_PER_CHUNK if fake.usage == "continuous" else None)
+        yield chunk(model, "ab" * TOKENS_PER_CHUNK, i * TOKENS_PER_CHUNK if fake.usage == "continuous" else None,
+                    num_prompt)
     if fake.usage != "none":
-        yield chunk(model, None, NUM_CHUNKS * TOKENS_PER_CHUNK)
+        yield chunk(model, None, NUM_CHUNKS * TOKENS_PER_CHUNK, num_prompt, last=True)
     if fake.send_done:
         yield "data: [DONE]\n\n"
-        yield chunk(model, "after done", 99)  # must not be read
+        yield chunk(model, "after done", 99, num_prompt, last=True)  # must not be read
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +180,7 @@ def test_latencies_match_the_servers_delays(url, tmp_path):
     assert ms[1] / 3 * 0.5 <= s["itl_ms"]["p50"] < (ms[1] + 100) / 3  # a 20 ms gap over 3 tokens
     assert (ms[0] + (NUM_CHUNKS - 1) * ms[1]) * 0.9 <= s["e2e_ms"]["p50"] < ms[0] + (NUM_CHUNKS - 1) * ms[1] + slack
     assert s["output_throughput"] == pytest.approx(s["num_output_tokens"] / s["duration_s"])
+    assert s["num_prompt_tokens"] == 8 * 6 and s["num_cached_tokens"] is None and s["prefix_cache_hit_rate"] is None
     body = fake.bodies[0]
     assert body["max_tokens"] == 15 and body["ignore_eos"] is True and body["temperature"] == 0.0
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
@@ -265,7 +262,9 @@ def test_random_prompts_draw_from_the_served_models_vocabulary(url):
 @pytest.mark.parametrize("fields, words", [
     ({"vocab_size": SERVED_VOCAB_SIZE + 1}, ["62", "61 token ids"]),
     ({"vocab_size": None, "model": "other"}, ["'other'", "no vocab_size"]),
-    ({"random_input_len": 990, "output_len": 15}, ["990 + 15", "max_model_len 1000"])])
+    ({"random_input_len": 990, "output_len": 15}, ["990 + 15", "max_model_len 1000"]),
+    ({"dataset": "shared-prefix", "shared_prefix_len": 900, "question_len": 90}, ["990 + 15", "--shared-prefix-len"]),
+    ({"dataset": "multi-turn", "turns": 3, "question_len": 320}, ["990 + 15", "--turns"])])
 def test_a_load_the_served_model_cannot_take_is_refused_before_any_request(url, fields, words):
     with pytest.raises(ValueError) as err:
         run_benchmark(config(url, **fields))
@@ -288,3 +287,38 @@ def test_the_cli_exits_1_when_a_request_failed_and_2_on_a_load_refused(url, tmp_
         bench_serving_cli.main([*argv, "--vocab-size", "32000"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "32000" in err
+
+
+def test_shared_prefix_prompts_and_the_hit_rate_from_the_usage(url):
+    fake.cached = 16  # whole pages of the 20-token prefix
+    result = run_benchmark(config(url, dataset="shared-prefix", shared_prefix_len=20, question_len=3))
+    prompts = [body["prompt"] for body in fake.bodies]
+    assert len(prompts) == 8 and {len(p) for p in prompts} == {23} and len({tuple(p[:20]) for p in prompts}) == 1
+    assert len({tuple(p[20:]) for p in prompts}) == 8  # each its own question
+    s = result["summary"]
+    assert (s["num_prompt_tokens"], s["num_cached_tokens"]) == (8 * 23, 8 * 16)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(16 / 23)
+    assert all(r["cached_tokens"] == 16 and r["prompt_tokens"] == 23 for r in result["requests"])
+    assert format_table([result]).splitlines()[1].split()[6] == "69.6%"  # the hit column
+
+
+def test_multi_turn_resends_the_conversation_so_far(url):
+    result = run_benchmark(config(url, dataset="multi-turn", num_prompts=3, concurrency=2, turns=3, question_len=5))
+    requests = result["requests"]
+    assert len(requests) == 9 and result["summary"]["num_completed"] == 9
+    assert [(r["conversation"], r["turn"]) for r in requests] == [(c, t) for c in range(3) for t in range(3)]
+    completion = "ab" * TOKENS_PER_CHUNK * NUM_CHUNKS  # what the fake server streams
+    sent = {body["prompt"]: body for body in fake.bodies}
+    firsts = [p for p in sent if len(p.split()) == 5]
+    assert len(firsts) == 3 and all(p.split()[0].startswith("t") for p in firsts)
+    for first in firsts:  # each conversation: every turn starts with the previous one, then its completion
+        prompt = first
+        for turn in range(1, 3):
+            grown = [p for p in sent if p.startswith(f"{prompt} {completion} ") and len(p.split()) == 6 * turn + 5]
+            assert len(grown) == 1, (prompt, list(sent))
+            prompt = grown[0]
+    # a worker runs a conversation's turns back to back: at most 2 conversations, so 2 requests, in flight
+    spans = [(r["start"], r["start"] + r["e2e"]) for r in requests]
+    assert all(sum(a <= start < b for a, b in spans) <= 2 for start, _ in spans)
+    assert max(sum(a <= start < b for a, b in spans) for start, _ in spans) == 2
+    assert [r["prompt_tokens"] for r in requests if r["conversation"] == 0] == [5, 11, 17]

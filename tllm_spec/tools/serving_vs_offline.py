@@ -13,36 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import torch
-import uvicorn
-from tokenizers import Tokenizer, models
 from transformers import AutoConfig
 
 from ..config import SamplingParams
 from ..engine.step_log import StepLog
 from ..sampling import flashinfer_ops
-from ..serve.app import build_app
 from ..spec_model import SpecModel
-from .bench_serving import random_prompts
+from .bench_datasets import random_prompts
 from .benchmark import force_acceptance
 from .random_models import SHAPES, random_spec_model
-
-
-def numbered_tokenizer(vocab_size: int):
-    """A tokenizer whose token i reads "t<i>" (random targets ship none; the server needs text out)."""
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+from .serving_harness import bench_serve_child, numbered_tokenizer, serve_in_thread
 
 
 def offline(model: SpecModel, prompts: list[list[int]], output_len: int, out: Path | None = None,
@@ -85,39 +70,12 @@ def logging_steps(model: SpecModel, out: Path | None):
         out.write_text(json.dumps(log.as_dicts()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_in_thread(model: SpecModel, name: str, loop: str = "auto") -> tuple[uvicorn.Server, str]:
-    """The app over ``model`` in a uvicorn server on a free port, on a daemon thread (``loop``: uvicorn's event
-    loop, "auto" (uvloop where installed), "asyncio" or "uvloop"); (server, its URL) once it answers /health."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(model, name), host="127.0.0.1", port=port, log_level="warning",
-                                           loop=loop))
-    threading.Thread(target=server.run, daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the server did not come up")
-
-
 def bench_serve(url: str, concurrency: int, num_prompts: int, input_len: int, output_len: int, vocab_size: int,
                 out_dir: Path, name: str | None = None) -> dict:
     """``tllm-spec bench-serve`` in a child process; its JSON report."""
-    out = out_dir / (name or f"concurrency-{concurrency}")
-    cmd = [sys.executable, "-m", "tllm_spec.serve.cli", "bench-serve", "--base-url", url, "--concurrency",
-           str(concurrency), "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
-           "--output-len", str(output_len), "--vocab-size", str(vocab_size), "--out", str(out)]
-    subprocess.run(cmd, check=True)
-    return json.loads((out / "bench_serving.json").read_text())
+    flags = ["--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
+             "--output-len", str(output_len), "--vocab-size", str(vocab_size)]
+    return bench_serve_child(url, flags, out_dir / (name or f"concurrency-{concurrency}"))
 
 
 def run(shape: str, forced: float, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
