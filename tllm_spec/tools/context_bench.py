@@ -246,7 +246,8 @@ def build_model(target: TargetModel, mode: str, k: int, plan: ContextPlan, max_b
                                 draft_vocab_size=min(target.vocab_size, DRAFT_VOCAB_SIZE))
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=k)
     return SpecModel.from_target(target, spec_config, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len,
-                                 num_pages=plan.num_pages, compile_step=compile_step)
+                                 num_pages=plan.num_pages, compile_step=compile_step,
+                                 enable_prefix_caching=False)  # every point times its prompts' whole prefill
 
 
 def release(model: SpecModel) -> None:
