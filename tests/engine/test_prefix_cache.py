@@ -47,6 +47,8 @@ def spec_for(kind: str):
         "eagle3": Eagle3Config(speculative_model=str(head), max_draft_len=3),
         "tree": Eagle3Config(speculative_model=str(head), max_draft_len=2,
                              eagle_choices=[[0], [1], [0, 0], [0, 1], [1, 0]]),
+        "dynamic_tree": Eagle3Config(speculative_model=str(head), max_draft_len=3, use_dynamic_tree=True,
+                                     dynamic_tree_max_topK=2, max_total_draft_tokens=6),
         "eagle3_sa": Eagle3Config(speculative_model=str(head), max_draft_len=3, use_sa_spec=True,
                                   sa_spec_threshold=2),
         "draft_target": DraftTargetConfig(speculative_model=str(tiny_draft_lm("llama")), max_draft_len=3),
@@ -98,7 +100,8 @@ def expected_hit(kind: str, prompt: list[int], earlier: list[list[int]], page: i
 
 # lookahead 1, 0 with suffix drafting's text, N: in the README's command; the other drafters in the slow run
 KINDS = ["eagle3", "sa", "vanilla3"] + [pytest.param(kind, marks=pytest.mark.slow) for kind in
-                                        ("plain", "tree", "eagle3_sa", "draft_target", "mtp_eagle")]
+                                        ("plain", "tree", "dynamic_tree", "eagle3_sa", "draft_target",
+                                         "mtp_eagle")]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -118,6 +121,23 @@ def test_reused_prefix_changes_nothing_a_request_sees(kind, steps):
     assert pages.num_in_use == 0 and pages.num_available == pages.total
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_next_turn_reuses_the_answer(kind, steps):
+    """A conversation's next turn resends the first turn's prompt and answer: the answer's final pages (written
+    by decode steps) are reused too, and the turn decodes, accepts and drafts exactly as without the cache."""
+    cold, warm = load(kind, cache=False), load(kind, cache=True)
+    first = generate_one(warm, BASE, GREEDY)
+    turn = BASE + first.token_ids + [3, 1, 4, 1, 5]
+    generate_one(warm, UNRELATED, SamplingParams(max_new_tokens=2, ignore_eos=True))  # its slot's state
+    on, on_steps = generate_one(warm, turn, GREEDY, steps)
+    off, off_steps = generate_one(cold, turn, GREEDY, steps)
+    assert on.token_ids == off.token_ids and on_steps == off_steps
+    lookahead = {"plain": 0, "sa": 0, "draft_target": 0, "vanilla3": 3}.get(kind, 1)
+    written = len(BASE) + len(first.token_ids) - 1  # the last token's K/V is the next step's
+    final = min(written, len(BASE) + len(first.token_ids) - lookahead) // PAGE * PAGE
+    assert on.stats.cached_prompt_tokens == final > len(BASE) // PAGE * PAGE
+
+
 def test_whole_prompt_hit_recomputes_its_last_page():
     """The same prompt again: every page but the last is reused (at least the last token is computed), and a
     prompt of exactly whole pages leaves its last page to compute."""
@@ -128,17 +148,30 @@ def test_whole_prompt_hit_recomputes_its_last_page():
     assert (first.stats.cached_prompt_tokens, again.stats.cached_prompt_tokens) == (0, 12)
 
 
-def test_identical_prompts_in_one_step_share_nothing_unwritten():
-    """Two identical prompts admitted in the same step both prefill (neither reads pages the other has not
-    written yet); the first to finish its prefill publishes; a third later reuses."""
+def test_identical_prompts_in_one_step_share_nothing_unwritten(monkeypatch):
+    """Two identical prompts admitted in the same step (the wait for a writer turned off) both prefill: neither
+    reads pages the other has not written yet; the first to finish its prefill publishes, the duplicate's pages
+    go back free; a third later reuses."""
     model, cold = load("eagle3", cache=True), load("eagle3", cache=False)
+    monkeypatch.setattr(model.engine.prefix_cache, "waits_for_writer", lambda request, writers: False)
     outs = model.generate([BASE, BASE], GREEDY)
     assert [o.stats.cached_prompt_tokens for o in outs] == [0, 0]
     later = generate_one(model, BASE, GREEDY)
     assert later.stats.cached_prompt_tokens == 16
     reference = generate_one(cold, BASE, GREEDY).token_ids
     assert [o.token_ids for o in outs] + [later.token_ids] == [reference] * 3
-    assert model.engine.kv.pages.num_cached == 4  # one copy: the duplicate's pages went back free
+    # one copy of the 26-token text's 6 final pages (25 positions written, lookahead 1): the duplicate's went free
+    assert model.engine.kv.pages.num_cached == 6
+
+
+def test_a_burst_behind_one_new_prefix_prefills_it_once(steps):
+    """Requests arriving together behind a shared prefix nobody has cached: the first prefills it, the others
+    wait for its pages (not admitted beside it) and reuse them; a request with nothing to share is not held."""
+    model, cold = load("eagle3", cache=True, max_batch_size=4), load("eagle3", cache=False)
+    prompts = [BASE + [1], BASE + [2, 3], UNRELATED, BASE[:13] + [4]]
+    outs = model.generate(prompts, GREEDY)
+    assert [o.stats.cached_prompt_tokens for o in outs] == [0, 16, 0, 12]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold.generate(prompts, GREEDY)]
 
 
 def test_chunked_prefill_after_a_reused_prefix(steps):

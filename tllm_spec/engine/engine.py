@@ -5,7 +5,6 @@ one-model step, appends accepted tokens, stops, frees pages. Long-lived, and dri
 from __future__ import annotations
 
 import itertools
-import numbers
 import threading
 import time
 from collections import deque
@@ -17,6 +16,7 @@ import torch
 from ..config import SamplingParams
 from ..sampling.logprobs import StepLogprobs
 from .admission import AdmissionPolicy
+from .checks import refusal
 from .detokenizer import Detokenizer
 from .prefix_cache import PrefixCache
 from .request import AcceptanceStats, DecodeTimer, Request, StreamOutput
@@ -85,18 +85,7 @@ class Engine:
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> str | None:
         """Why this request cannot run (None: it can). Read-only: any thread may ask."""
-        if not isinstance(params, SamplingParams):
-            return f"sampling params must be a SamplingParams, got {type(params).__name__}"
-        try:  # again: model_copy(update=...) skips validation (a NaN temperature would decode garbage)
-            SamplingParams.model_validate(dict(params))
-        except ValueError as err:
-            return f"invalid sampling params: {err}".replace("\n", "; ")
-        if params.stop and self.tokenizer is None:
-            return "stop strings need a tokenizer; this target directory has none (use stop_token_ids)"
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            return f"stop_token_ids must lie in [0, {self.runner.vocab_size}); got {bad}"
-        return self._validate(prompt, params)
+        return refusal(prompt, params, self.runner, lambda n, p: self.kv.pages_for(self._reserved_tokens(n, p)))
 
     def add(self, index: int, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request (checked with :meth:`check` first); returns its id. Its grammar is compiled here: a
@@ -168,9 +157,10 @@ class Engine:
         self.running = [r for r in batch if not r.finish_reason]
         for r in batch:
             if r.finish_reason:
-                self.kv.free(r.slot)
-                if r.finish_reason in ("stop", "length"):  # a whole text: suffix drafting may draft from it
+                if r.finish_reason in ("stop", "length"):  # a whole text: cached, and suffix drafting's
+                    self.prefix_cache.publish_finished(r)
                     self.runner.request_finished(r.prompt + r.output)
+                self.kv.free(r.slot)
                 self.on_output(r.stream_output())
 
     def _emit(self, batch: list[Request]) -> None:
@@ -178,22 +168,6 @@ class Engine:
         for r in batch:
             if not r.finish_reason and len(r.output) > r.num_emitted:
                 self.on_output(r.stream_output())
-
-    def _validate(self, prompt: Sequence[int], p: SamplingParams) -> str | None:
-        vocab = self.runner.vocab_size
-        if len(prompt) == 0:
-            return "empty prompt"
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            return "token ids must be integers"
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            return f"token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}"
-        if len(prompt) + self.k + 1 > self.max_seq_len:
-            return (f"prompt of {len(prompt)} tokens cannot fit: prompt + max_draft_len + 1 = "
-                    f"{len(prompt) + self.k + 1} > max_seq_len = {self.max_seq_len}")
-        pages = self.kv.pages_for(self._reserved_tokens(len(prompt), p))
-        if pages > self.kv.max_pages_per_request or pages > self.runner.num_kv_pages - 1:
-            return f"needs {pages} KV pages; the pool has {self.runner.num_kv_pages - 1}"
-        return None
 
     def _grammar_matcher(self, p: SamplingParams) -> tuple[GrammarMatcher | None, str | None]:
         """(the request's grammar matcher, None) or (None, why its grammar cannot be used)."""
@@ -228,10 +202,17 @@ class Engine:
         admitted: list[Request] = []
         if not self.waiting or not self.admission.due(self.waiting, self.running):
             return admitted
-        while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size and self._fits():
+        later: list[Request] = []  # waiting for a page another request is prefilling (PrefixCache.waits_for_writer)
+        while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size:
+            if self.prefix_cache.waits_for_writer(self.waiting[0], self.running + admitted):
+                later.append(self.waiting.popleft())
+                continue
+            if not self._fits():
+                break
             r = self.waiting.popleft()
             r.slot = self.prefix_cache.allocate(r, self._reserved_tokens(len(r.prompt), r.params))
             admitted.append(r)
+        self.waiting.extendleft(reversed(later))
         return admitted
 
     def _fits(self) -> bool:

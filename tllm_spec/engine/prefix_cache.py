@@ -8,11 +8,14 @@ draft K/V is only valid after the same tokens; a draft LM and plain decoding rea
 share a page, so one key covers both and nothing is reused that the draft cannot reuse.
 
 What is cached: prompt pages, once the step that prefilled them has completed (:meth:`PrefixCache.publish`;
-never earlier, so a page is read only after it is written), those whose key's tokens all lie in the prompt.
-Pages of generated tokens are not: their K/V came from decode steps (a draft's K/V from drafted inputs for the
-positions past the last accepted token), and a reused page must hold what a prefill would have written. A
+never earlier, so a page is read only after it is written), those whose key's tokens all lie in the prompt; and
+when a request ends with its whole text, the pages of its prompt and output whose K/V are final
+(:meth:`PrefixCache.publish_finished`): positions below the committed length whose lookahead tokens were
+accepted too (a draft's K/V past the last accepted token comes from drafted inputs and is never published). A
 request reuses its longest run of cached pages, leaving at least max(1, lookahead) prompt tokens to compute, so
-its last prompt token's logits and its draft's first pass exist.
+its last prompt token's logits and its draft's first pass exist. A waiting request whose next page another
+request is prefilling right now waits for it (:meth:`PrefixCache.waits_for_writer`): a burst behind one new
+shared prefix prefills it once.
 
 The pool's side (refcounts, eviction) is :class:`~tllm_spec.model.page_pool.PagePool`; the runner never knows:
 a request that reused a prefix runs as a prompt chunk that starts past position 0, as chunked prefill does.
@@ -92,12 +95,35 @@ class PrefixCache:
             self.worker.prefix_reused(slot, request.prompt[:request.num_cached])
         return slot
 
+    def waits_for_writer(self, request: Request, writers: list[Request]) -> bool:
+        """Whether a waiting request's first page not cached is one that a request prefilling now (``writers``:
+        the running and just admitted ones) will publish: it then joins once that page is written (the first
+        of a burst of requests behind one new system prompt prefills it, the rest reuse it)."""
+        if not self.enabled:
+            return False
+        usable = (len(request.prompt) - max(1, self.lookahead)) // self.page_size
+        num_cached = len(self.match(request))
+        if num_cached >= usable:
+            return False
+        key = self._keys(request)[num_cached]
+        return any(w.is_context and key in w.page_keys[w.num_published:] for w in writers
+                   if w.page_keys is not None)
+
     def publish(self, request: Request) -> None:
         """After a step that prefilled part of ``request``'s prompt has completed: cache its newly written full
-        pages (those whose key's tokens lie in the prompt)."""
-        if not self.enabled:
-            return
-        keys = self._keys(request)
+        pages whose key's tokens lie in the prompt."""
+        if self.enabled:
+            self._publish(request, self._keys(request))
+
+    def publish_finished(self, request: Request) -> None:
+        """A request that ended with its whole text ("stop", "length"): cache the pages of its prompt and output
+        whose K/V are final (written and committed, the drafter's lookahead tokens accepted too), so a next turn
+        that resends the conversation reuses the answer as well."""
+        if self.enabled:
+            text = request.prompt + request.output
+            self._publish(request, self.page_keys(text, request.params.cache_salt))
+
+    def _publish(self, request: Request, keys: list[bytes]) -> None:
         done = min(len(keys), request.num_cached // self.page_size)
         row = self.kv.pages_of(request.slot)
         for i in range(request.num_published, done):
