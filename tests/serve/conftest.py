@@ -20,7 +20,10 @@ from tllm_spec import Eagle3Config, SpecModel
 
 from .clients import API_KEY, MODEL
 
-SERVER_ARGS = ["--max-batch-size", "8", "--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
+# prefix caching named although it is serve's default: test_prefix_cache.py relies on it, and the other tests'
+# outputs, compared with the offline engine's (prefix caching off on the CPU), check that a cache hit changes nothing
+SERVER_ARGS = ["--max-batch-size", "8", "--dtype", "float32", "--device", "cpu", "--log-level", "warning",
+               "--enable-prefix-caching"]
 STARTUP_TIMEOUT_S = 120
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tllm_spec import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
 from tllm_spec.demo import ASSETS as DEMO_DIR
-from tllm_spec.serve.cli import build_parser, checked_configs, load_model, main, spec_config_of
+from tllm_spec.serve.cli import build_parser, checked_configs, engine_config_of, load_model, main, spec_config_of
 
 
 def _spec(*argv: str) -> Eagle3Config | MTPConfig | None:
@@ -149,6 +149,13 @@ def test_an_eagle3_head_given_as_the_target_is_refused(capsys):
     line = _stderr_of_refused(capsys, load=[str(DEMO_DIR / "eagle3"), "--device", "cpu"])[-1]
     assert line.startswith("tllm-spec: error: --target: ") and "lacks 10 of" in line and "randomly initialised" in line
     assert "EAGLE-3 head" in line
+
+
+def test_prefix_caching_is_on_whatever_the_device_unless_turned_off():
+    def enabled(*argv: str) -> bool | None:
+        return engine_config_of(build_parser().parse_args(["serve", *argv])).enable_prefix_caching
+    assert enabled() is enabled("--device", "cpu") is enabled("--enable-prefix-caching") is True
+    assert enabled("--no-enable-prefix-caching") is False
 
 
 def test_shutdown_timeout_is_a_number_of_seconds():

@@ -76,6 +76,7 @@ def test_an_api_key_is_required_everywhere_but_health(keyed_server_url):
         _check_error(httpx.get(f"{url}{path}", timeout=10), 401)
         _check_error(httpx.get(f"{url}{path}", headers={"Authorization": "Bearer wrong"}, timeout=10), 401)
     _check_error(httpx.post(f"{url}/v1/completions", content=b"{bad json", timeout=10), 401)
+    _check_error(httpx.post(f"{url}/reset_prefix_cache", timeout=10), 401)
     with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as stranger, \
             pytest.raises(openai.AuthenticationError):
         stranger.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)

@@ -52,6 +52,13 @@ def test_unknown_fields_are_refused_unless_null(demo_app):
     assert status == 400 and answer["error"]["param"] == "repetition_penalty"
 
 
+def test_cache_salt_is_a_non_empty_string(demo_app):
+    for salt in (3, True, ["tenant"], "", "x" * 1025):  # at most 1024 characters (SamplingParams.cache_salt)
+        status, answer = post(demo_app, "/v1/completions", {**COMPLETION, "cache_salt": salt})
+        assert status == 400 and answer["error"]["param"] == "cache_salt", (salt, answer)
+    assert post(demo_app, "/v1/chat/completions", {**CHAT, "cache_salt": "tenant-a"})[0] == 200
+
+
 def test_max_tokens_beyond_the_context_is_refused_with_the_arithmetic(demo_app):
     status, answer = post(demo_app, "/v1/completions", {"prompt": [7] * 100, "max_tokens": 10**9})
     assert status == 400 and answer["error"]["param"] == "max_tokens"

@@ -54,7 +54,10 @@ def test_chat_logprobs_equal_offline_and_streamed_chunks_add_up(client, offline)
         assert entry.top_logprobs[0].token == entry.token  # greedy: the token is the most likely one
     streamed = [entry for c in client.chat.completions.create(**kwargs, stream=True)
                 if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # prefix caching: a request that finds its prompt's first pages cached (the second here, at least) computes the
+    # rest as a chunk from a page boundary, whose logprobs agree with a whole prefill's to float rounding only
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=TOL)
 
 
 def test_chat_logprobs_without_top_logprobs_and_none_when_not_asked(client):

@@ -1,10 +1,12 @@
 """The FastAPI app: ``build_app(model, model_name, api_key, max_queue)``.
 
 Routes: POST /v1/completions and /v1/chat/completions (``stream`` false: one JSON body; true: server-sent events),
-GET /v1/models, GET /metrics (Prometheus text), GET /health (no key needed). A request is checked by the engine
-(``AsyncEngine.check``) before it is admitted, so a refused one answers 400 and never starts a 200 stream. At most
-``max_queue`` requests are in flight (admitted and not yet answered in full); beyond that, 429. With ``api_key``
-every route but /health answers 401 without ``Authorization: Bearer KEY``.
+GET /v1/models, GET /metrics (Prometheus text), GET /health (no key needed), POST /reset_prefix_cache (vLLM's:
+forget every cached prompt page, so the next requests prefill from their first token; pages requests hold stay
+theirs). A request is checked by the engine (``AsyncEngine.check``) before it is admitted, so a refused one
+answers 400 and never starts a 200 stream. At most ``max_queue`` requests are in flight (admitted and not yet
+answered in full); beyond that, 429. With ``api_key`` every route but /health answers 401 without
+``Authorization: Bearer KEY``.
 
 The event loop and the engine's thread share one interpreter: with Python's default 5 ms switch interval, the
 engine's thread could wait up to 5 ms for the GIL whenever the loop is busy writing a batch's chunks, so the
@@ -79,6 +81,7 @@ class Server:
         self.token_texts = TokenTexts(self.engine.decode_each)  # on the event loop's thread only
         self.grammars = GrammarCheck(model.runner)
         self.running: dict[str, Job] = {}  # admitted and not yet answered in full; on the event loop's thread
+        self.prefix_cache = model.engine.prefix_cache  # read only: whether it is on (a benchmark may switch it)
         self.created = int(time.time())
 
     async def generate(self, body: GenerationRequest, prompt: str | list[int], request: Request,
@@ -99,6 +102,14 @@ class Server:
         finally:
             self._leave(job)
         return JSONResponse(result.model_dump(mode="json"))
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt pages; it waits for the engine's step boundary, so off the event loop. 503 once
+        the engine has stopped (shutdown)."""
+        try:
+            await asyncio.to_thread(self.engine.reset_prefix_cache)
+        except RuntimeError as err:  # the engine's thread has stopped
+            raise APIError(503, f"the prefix cache cannot be reset: {err}", code="shutting_down") from err
 
     def abort_all(self) -> int:
         """Abort every request in flight (a shutdown's grace period is over); returns how many."""
@@ -197,6 +208,13 @@ async def list_models(request: Request) -> ModelList:
 async def metrics(request: Request) -> Response:
     server_metrics = _server(request).metrics
     return Response(server_metrics.render(), media_type=server_metrics.content_type)
+
+
+@routes.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict[str, object]:
+    server = _server(request)
+    await server.reset_prefix_cache()
+    return {"status": "ok", "prefix_caching": server.prefix_cache.enabled}
 
 
 @routes.get("/health")

@@ -18,7 +18,8 @@ Requests: temperature defaults to 1 (OpenAI's); max_tokens to 16 (completions) o
 and one that does not fit the context is a 400. Honoured: sampling, stop, logprobs, streaming, structured outputs
 (response_format, vLLM's guided_json / guided_regex / guided_grammar / guided_choice / structured_outputs), tool
 calls (tool_choice "required" or a named function; "auto" is refused); every other OpenAI field is informational
-or a 400 naming it (docs/serving.md). SIGINT / SIGTERM drain the server (--shutdown-timeout) and exit 0.
+or a 400 naming it (docs/serving.md). Prefix caching is on (--no-enable-prefix-caching: off); POST
+/reset_prefix_cache forgets the cached pages. SIGINT / SIGTERM drain the server (--shutdown-timeout) and exit 0.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 8192  # prompt tokens a serving step prefills (th
 USER_ERRORS = (ValueError, OSError, NotImplementedError)
 ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
                 "max_num_batched_tokens": "--max-num-batched-tokens",
-                "scheduler_delay_factor": "--scheduler-delay-factor"}
+                "scheduler_delay_factor": "--scheduler-delay-factor",
+                "enable_prefix_caching": "--enable-prefix-caching"}
 SPEC_FLAGS = {"max_draft_len": "-k/--max-draft-len", "speculative_model": "--draft/--draft-model"}  # fields --spec-config may set
 
 
@@ -116,6 +118,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-delay-factor", type=float, help="while requests decode, a new one waits up to this "
                    "many prefill steps' time so that arrivals close together share one prefill step (default: the "
                    "engine's, 0.5; 0: admit at once)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the K/V of prompt pages earlier requests wrote (a common system prompt or the "
+                   "conversation so far is computed once), on the CPU too; usage reports them as "
+                   "prompt_tokens_details.cached_tokens (default: on)")
     p.add_argument("--max-queue", type=_positive_int, default=DEFAULT_MAX_QUEUE,
                    help="requests in flight before 429")
     p.add_argument("--shutdown-timeout", type=_seconds, default=5.0, help="on SIGINT/SIGTERM the server answers new "

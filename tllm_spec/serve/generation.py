@@ -2,9 +2,10 @@
 
 A stream is ``data: {chunk}\\n\\n`` per step that completed text (with the logprobs of its tokens and of those held
 back before it, when asked for), the last content chunk carrying ``finish_reason``, an optional usage chunk
-(``stream_options.include_usage``), then ``data: [DONE]\\n\\n``. A request that fails after its 200 sends
-``data: {"error": {...}}`` before ``[DONE]``. Leaving early (a client that disconnects) closes the engine's
-generator, which aborts the request and frees its pages at the next step."""
+(``stream_options.include_usage``; with vLLM's ``continuous_usage_stats`` every chunk carries the usage so far, its
+``prompt_tokens_details`` from the last content chunk on), then ``data: [DONE]\\n\\n``. A request that fails
+after its 200 sends ``data: {"error": {...}}`` before ``[DONE]``. Leaving early (a client that disconnects) closes
+the engine's generator, which aborts the request and frees its pages at the next step."""
 from __future__ import annotations
 
 import logging
@@ -92,7 +93,7 @@ class Job:
         return self.logprobs_format(token_ids, logprobs, top_logprobs)
 
     def usage(self, output: RequestOutput) -> Usage:
-        return Usage.of(len(self.prompt_ids), len(output.token_ids))
+        return Usage.of(len(self.prompt_ids), len(output.token_ids), output.stats.cached_prompt_tokens)
 
 
 async def _outputs(engine: AsyncEngine, job: Job) -> AsyncIterator[StreamOutput]:
@@ -172,11 +173,18 @@ async def _events(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
                     continue
                 delta, finish_reason = shaped
             if out.text or out.finished or delta is not None:
-                usage = Usage.of(len(job.prompt_ids), num_tokens) if job.continuous_usage else None
+                usage = _usage_so_far(job, num_tokens, out) if job.continuous_usage else None
                 yield _event(job.chunk(out.text or "", finish_reason, first, usage, pending.take(job), delta))
                 first = False
             if out.finished and job.include_usage:
                 yield _event(job.chunk(None, None, usage=job.usage(out.output)))
+
+
+def _usage_so_far(job: Job, num_tokens: int, out: StreamOutput) -> Usage:
+    """A continuous-usage chunk's usage: the cached prompt tokens once the request's output carries them (its last
+    chunk; a StreamOutput before it does not say)."""
+    cached = out.output.stats.cached_prompt_tokens if out.output is not None else None
+    return Usage.of(len(job.prompt_ids), num_tokens, cached)
 
 
 class _PendingLogprobs:

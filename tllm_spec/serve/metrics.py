@@ -1,12 +1,22 @@
 """Prometheus metrics of one app (its own CollectorRegistry, so several apps can live in one process).
 
-Gauges read from ``AsyncEngine.state()`` at scrape time: ``tllm_spec_requests_running``,
-``tllm_spec_requests_waiting``, ``tllm_spec_kv_free_pages`` (and ``tllm_spec_kv_pages``), ``tllm_spec_cuda_graphs``
-and ``tllm_spec_compiled_graphs`` (captures and torch.compile graphs so far: flat after start-up). Histograms:
-``tllm_spec_time_to_first_token_seconds``, ``tllm_spec_time_per_output_token_seconds`` (first to last token),
-``tllm_spec_accepted_tokens_per_step`` (tokens a generation step accepted, bonus included: 1..K+1, a tree's
-1..depth+1). Counters:
-``tllm_spec_requests_total{finish_reason}`` (stop, length, abort, error, rejected),
+Read from ``AsyncEngine.state()`` at scrape time: gauges ``tllm_spec_requests_running``,
+``tllm_spec_requests_waiting``, the KV pool's pages (below), ``tllm_spec_cuda_graphs`` and
+``tllm_spec_compiled_graphs`` (captures and torch.compile graphs so far: flat after start-up); counters
+``tllm_spec_prefix_cache_queries_total`` (prompt tokens looked up in the prefix cache at admission) and
+``tllm_spec_prefix_cache_hits_total`` (of those, tokens found cached: hits / queries is the hit rate; both stay 0
+with prefix caching off, and POST /reset_prefix_cache leaves them be).
+
+KV pages: ``tllm_spec_kv_pages`` is the pool, one page of it scratch (never allocated); every other page is
+allocatable or used, so ``tllm_spec_kv_free_pages`` + ``tllm_spec_kv_used_pages`` = ``tllm_spec_kv_pages`` - 1.
+``tllm_spec_kv_free_pages`` counts what an allocation can take now: pages that hold nothing worth keeping plus
+``tllm_spec_kv_evictable_pages`` (cached prefix pages no request holds, evicted least recently used first when
+needed); ``tllm_spec_kv_used_pages`` counts pages requests hold (cached or not, each once however many share it).
+The gauges are read while the engine steps, without a lock: only between steps do they add up exactly.
+
+Histograms: ``tllm_spec_time_to_first_token_seconds``, ``tllm_spec_time_per_output_token_seconds`` (first to last
+token), ``tllm_spec_accepted_tokens_per_step`` (tokens a generation step accepted, bonus included: 1..K+1, a
+tree's 1..depth+1). Counters: ``tllm_spec_requests_total{finish_reason}`` (stop, length, abort, error, rejected),
 ``tllm_spec_prompt_tokens_total``, ``tllm_spec_generation_tokens_total``."""
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..engine.async_engine import AsyncEngine
@@ -40,8 +50,18 @@ class _EngineCollector(Collector):
         state = self.engine.state()
         yield GaugeMetricFamily("tllm_spec_requests_running", "requests in the decoding batch", state.num_running)
         yield GaugeMetricFamily("tllm_spec_requests_waiting", "requests queued for a batch slot", state.num_waiting)
-        yield GaugeMetricFamily("tllm_spec_kv_free_pages", "free KV-cache pages", state.num_free_kv_pages)
-        yield GaugeMetricFamily("tllm_spec_kv_pages", "KV-cache pages in the pool", state.num_kv_pages)
+        yield GaugeMetricFamily("tllm_spec_kv_free_pages", "KV-cache pages an allocation can take now: free plus "
+                                "evictable cached prefix pages", state.num_free_kv_pages)
+        yield GaugeMetricFamily("tllm_spec_kv_evictable_pages", "cached prefix pages no request holds (counted in "
+                                "tllm_spec_kv_free_pages)", state.num_evictable_kv_pages)
+        yield GaugeMetricFamily("tllm_spec_kv_used_pages", "KV-cache pages requests hold (free + used = the pool "
+                                "less its scratch page)", state.num_used_kv_pages)
+        yield GaugeMetricFamily("tllm_spec_kv_pages", "KV-cache pages in the pool, one of them scratch",
+                                state.num_kv_pages)
+        yield CounterMetricFamily("tllm_spec_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  state.prefix_cache_queries)
+        yield CounterMetricFamily("tllm_spec_prefix_cache_hits", "prompt tokens found in the prefix cache (not "
+                                  "prefilled)", state.prefix_cache_hits)
         yield GaugeMetricFamily("tllm_spec_cuda_graphs", "captured CUDA graphs", state.num_cuda_graphs)
         yield GaugeMetricFamily("tllm_spec_compiled_graphs", "graphs torch.compile compiled in this process (a rise "
                                 "after start-up: a compile on a request's path)", state.num_compiled_graphs)

@@ -1,5 +1,6 @@
 """The responses and stream chunks of the OpenAI API subset served (the request bodies: serve/requests.py):
-completions, chat completions (a message's text or its ``tool_calls``), usage, logprobs in OpenAI's shapes
+completions, chat completions (a message's text or its ``tool_calls``), usage (with OpenAI's
+``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served), logprobs in OpenAI's shapes
 (serve/logprobs.py) and the model list."""
 from __future__ import annotations
 
@@ -10,15 +11,24 @@ from pydantic import BaseModel
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V the prefix cache held (not prefilled): whole pages
+
+
 class Usage(BaseModel):
+    """OpenAI's usage; ``prompt_tokens_details`` is None only in a continuous-usage chunk sent before the
+    request's end, where the engine has not yet reported its cached prompt tokens."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> Usage:
+        details = None if num_cached_tokens is None else PromptTokensDetails(cached_tokens=num_cached_tokens)
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens)
+                   total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
 
 
 class _Response(BaseModel):

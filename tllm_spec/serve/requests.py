@@ -9,9 +9,12 @@ Every field of OpenAI's two requests, and each vLLM extra the server takes, is i
   (completions' ``logprobs: N``, chat's ``logprobs: true, top_logprobs: N``, N <= 20), streaming
   (``stream_options.include_usage``, vLLM's ``continuous_usage_stats``), structured outputs (``response_format``,
   vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` / ``guided_choice`` / ``structured_outputs``:
-  serve/structured.py) and tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``: serve/tool_calls.py);
+  serve/structured.py), tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``: serve/tool_calls.py)
+  and vLLM's ``cache_salt`` (a non-empty string -> ``SamplingParams.cache_salt``: only requests of the same salt
+  share cached prompt pages);
 * **informational** (:data:`INFORMATIONAL`): accepted and without effect on the output (identifiers, caching
-  hints and tags: nothing here stores requests or needs them to find a cached prefix);
+  hints and tags: nothing here stores requests, and the prefix cache finds a shared prefix by its tokens, with no
+  key);
 * **refused** (:data:`REFUSED`): a 400 naming the field when it holds anything but its neutral value.
 
 A field in none of the sets is refused as unknown unless it is null."""
@@ -85,6 +88,7 @@ class GenerationRequest(_Body):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix-cache isolation (tenants)
 
     def refuse_unsupported(self) -> None:
         """400 for a refused field that is set, or a field the server does not know (rather than ignore it)."""
@@ -123,7 +127,8 @@ class GenerationRequest(_Body):
                   "top_p": 1.0 if self.top_p is None else self.top_p,
                   "top_k": 0 if self.top_k in (None, -1) else self.top_k, "stop": stop,
                   "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
-                  "seed": self.seed, "logprobs": self.requested_logprobs, **extra}
+                  "seed": self.seed, "logprobs": self.requested_logprobs, "cache_salt": self.cache_salt,
+                  **extra}
         try:
             return SamplingParams(**fields)
         except ValidationError as err:
