@@ -6,6 +6,7 @@ argument, which transformers forwards from the model call to every attention fun
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from transformers import AttentionInterface
 from ..kernels.kv_write import kv_write
 from ..kernels.paged_attention import paged_attention
 from .kv_cache import KVCache
-from .prompt_attention import cached_prefix_attention, prefill_attention
+from .prompt_attention import cached_prefix_attention, chunks_over_cache_attention, prefill_attention
 
 ATTN_IMPLEMENTATION = "tllm_spec"
 
@@ -157,12 +158,21 @@ def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     """The context chunks' attention (their K/V already written). q [C, Hq, D]; k, v [C, Hkv, D] -> [C, Hq, D],
     C = meta.num_context_tokens. A chunk from position 0 attends to itself (dense causal SDPA on this forward's
     k, v); a chunk from p > 0 to its request's cached positions [0, p + n) (:func:`cached_prefix_attention`, or
-    on the GPU the paged kernel under a sliding window)."""
+    on the GPU the paged kernel under a sliding window). On the GPU in bf16/fp16, when some chunk continues its
+    prompt, every chunk in one variable-length flash call over keys gathered from the pages
+    (:func:`chunks_over_cache_attention`; where torch has no such call, the paths above)."""
     starts = meta.chunk_starts
     if not any(starts):
         return prefill_attention(q, k, v, meta.context_lens, scale, sliding_window)
     cache = meta.kv_cache
     k_cache, v_cache = layer_caches(cache, layer)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # one flash call for every chunk
+        firsts = torch.tensor(list(itertools.accumulate((0, *meta.context_lens[:-1]))), dtype=torch.int64)
+        slots = meta.token_slots.index_select(0, firsts.to(q.device, non_blocking=True))
+        out = chunks_over_cache_attention(q, k_cache, v_cache, cache.block_tables, slots, meta.context_lens,
+                                          starts, scale, sliding_window)
+        if out is not None:
+            return out
     out = torch.empty_like(q)
     offset = 0
     for n, start in zip(meta.context_lens, starts):

@@ -180,11 +180,42 @@ def _cumulative_lengths(lens: tuple[int, ...], device: torch.device) -> torch.Te
     return torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32).to(device, non_blocking=True)
 
 
+@functools.lru_cache(maxsize=4)
+def _key_layout(lens: tuple[int, ...], starts: tuple[int, ...], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each key's chunk [K] int64, each key's position [K] int64) of chunks whose keys are positions
+    [0, start + n) of their request, back to back: built once per step's chunk shapes, on the device."""
+    chunk = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([s + n for s, n in zip(starts, lens)]))
+    position = torch.cat([torch.arange(s + n) for s, n in zip(starts, lens)])
+    return chunk.to(device, non_blocking=True), position.to(device, non_blocking=True)
+
+
+def chunks_over_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, chunk_slots: torch.Tensor, lens: tuple[int, ...],
+                                starts: tuple[int, ...], scale: float, sliding_window: int | None = None
+                                ) -> torch.Tensor | None:
+    """Every prompt chunk's causal attention over its request's cached K/V at positions [0, start + n) (its own
+    K/V already written) in one variable-length flash call: each chunk's keys gathered from its pages, the
+    causal mask aligned to the keys' end. q [sum(lens), Hq, D], chunks back to back; chunk_slots [C] int64
+    (block-table rows, on the device) -> [sum(lens), Hq, D]. None where :func:`varlen_causal_attention` is.
+    Shape-agnostic, so a step of new chunk lengths builds no plan, and one call serves every chunk (a cache hit's
+    requests join a step together)."""
+    chunk, position = _key_layout(lens, starts, q.device)
+    page_size = k_cache.shape[1]
+    pages = block_tables.index_select(0, chunk_slots)[chunk, position // page_size].long()
+    flat = pages * page_size + position % page_size
+    k, v = (c.flatten(0, 1).index_select(0, flat) for c in (k_cache, v_cache))
+    return varlen_causal_attention(q, k, v, lens, scale, sliding_window,
+                                   tuple(s + n for s, n in zip(starts, lens)))
+
+
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...],
-                            scale: float, sliding_window: int | None = None) -> torch.Tensor | None:
+                            scale: float, sliding_window: int | None = None,
+                            key_lens: tuple[int, ...] | None = None) -> torch.Tensor | None:
     """:func:`prefill_attention` as one variable-length flash-attention call (CUDA, bf16/fp16), or None where this
     torch cannot take these arguments (no ``varlen_attn``, or one without the scale or sliding window asked for;
-    grouped K/V heads are repeated for a version that does not take them)."""
+    grouped K/V heads are repeated for a version that does not take them). ``key_lens``: keys per sequence where
+    they outnumber its queries (a chunk over its cached prefix: the causal mask aligned to the last key)."""
     if _VARLEN is None:
         return None
     varlen_attn, takes = _VARLEN
@@ -206,6 +237,6 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         else:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    cu_seq = _cumulative_lengths(lens, q.device)
-    longest = max(lens)
-    return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, **kwargs)
+    key_lens = key_lens or lens
+    cu_q, cu_k = _cumulative_lengths(lens, q.device), _cumulative_lengths(key_lens, q.device)
+    return varlen_attn(q, k, v, cu_q, cu_k, max(lens), max(key_lens), **kwargs)
