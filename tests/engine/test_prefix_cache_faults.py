@@ -279,20 +279,23 @@ def test_reset_mid_prefill_keeps_the_held_pages_until_their_request_ends(model, 
     assert_hits_with_cache_off_output(model, expected, REUSERS[0], 0)  # the chain's first pages are gone
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Engine._admit runs outside step()'s try/finally, so an exception "
-                   "raised once a prefix hit holds its slot and pages (worker.prefix_reused) leaks them and the "
-                   "request never ends")
-def test_an_exception_while_a_prefix_hit_is_admitted_returns_its_pages(model, expected, monkeypatch):
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_exception_while_a_prefix_hit_is_admitted_returns_every_page(model, monkeypatch, error):
+    """A request admitted before the prefix hit whose admission raises, and the hit itself, end with "error" and
+    hold nothing."""
     engine = model.engine
 
-    def interrupted(slot: int, tokens: list[int]) -> None:
-        raise KeyboardInterrupt
+    def failing(slot: int, tokens: list[int]) -> None:
+        raise error("injected")
     with driven(engine) as outputs:
         warm(model)
-        monkeypatch.setattr(engine.prefix_cache.worker, "prefix_reused", interrupted)
+        monkeypatch.setattr(engine.prefix_cache.worker, "prefix_reused", failing)
+        engine.add(0, [5, 6, 7], PARAMS, "admitted")
         engine.add(0, REUSERS[0], PARAMS, "reuser")
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(error):
             engine.step()
         monkeypatch.undo()
         assert_pool_whole(model)
-        assert [(o.request_id, o.finish_reason) for o in outputs if o.finished][-1] == ("reuser", "error")
+        assert {o.request_id: o.finish_reason for o in outputs if o.finished} == {"writer": "length",
+                                                                                  "admitted": "error",
+                                                                                  "reuser": "error"}

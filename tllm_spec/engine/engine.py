@@ -139,9 +139,10 @@ class Engine:
         has news; finished requests free their slot and pages before their last output goes out. A step that
         raises ends the batch's requests with "error" (pages freed, the exception in their last output) and
         re-raises."""
-        batch = self.running + self._admit()  # admission order: prompt chunks are taken FIFO
-        plan = plan_step(batch, self.max_num_batched_tokens, self.runner.context_lookahead)
+        batch = list(self.running)  # then the admitted ones, in admission order: prompt chunks are taken FIFO
         try:
+            self._admit(batch)
+            plan = plan_step(batch, self.max_num_batched_tokens, self.runner.context_lookahead)
             if plan.requests:
                 self._run(plan, hold=any(r.is_context for r in batch))
         except BaseException as err:
@@ -160,7 +161,8 @@ class Engine:
                 if r.finish_reason in ("stop", "length"):  # a whole text: cached, and suffix drafting's
                     self.prefix_cache.publish_finished(r)
                     self.runner.request_finished(r.prompt + r.output)
-                self.kv.free(r.slot)
+                if r.slot >= 0:  # not when its admission failed before it took a slot
+                    self.kv.free(r.slot)
                 self.on_output(r.stream_output())
 
     def _emit(self, batch: list[Request]) -> None:
@@ -195,25 +197,26 @@ class Engine:
         """Seconds the engine's thread may sleep before waiting requests start (AdmissionPolicy.idle_wait)."""
         return self.admission.idle_wait(self.waiting, self.running)
 
-    def _admit(self) -> list[Request]:
-        """Move waiting requests in (FIFO) while batch slots and KV pages last, once they are due
-        (:class:`AdmissionPolicy`). A request whose prompt starts with cached pages shares them and prefills
-        from the first page not cached (:mod:`.prefix_cache`)."""
-        admitted: list[Request] = []
+    def _admit(self, batch: list[Request]) -> None:
+        """Move waiting requests into ``batch`` (FIFO) while batch slots and KV pages last, once they are due
+        (:class:`AdmissionPolicy`); each joins ``batch`` as it takes its slot, so a failure on the way ends it with
+        the batch. A request whose prompt starts with cached pages shares them and prefills from the first page
+        not cached (:mod:`.prefix_cache`)."""
         if not self.waiting or not self.admission.due(self.waiting, self.running):
-            return admitted
+            return
         later: list[Request] = []  # waiting for a page another request is prefilling (PrefixCache.waits_for_writer)
-        while self.waiting and len(self.running) + len(admitted) < self.runner.max_batch_size:
-            if self.prefix_cache.waits_for_writer(self.waiting[0], self.running + admitted):
-                later.append(self.waiting.popleft())
-                continue
-            if not self._fits():
-                break
-            r = self.waiting.popleft()
-            r.slot = self.prefix_cache.allocate(r, self._reserved_tokens(len(r.prompt), r.params))
-            admitted.append(r)
-        self.waiting.extendleft(reversed(later))
-        return admitted
+        try:
+            while self.waiting and len(batch) < self.runner.max_batch_size:
+                if self.prefix_cache.waits_for_writer(self.waiting[0], batch):
+                    later.append(self.waiting.popleft())
+                elif not self._fits():
+                    break
+                else:
+                    batch.append(self.waiting.popleft())
+                    self.prefix_cache.allocate(batch[-1], self._reserved_tokens(len(batch[-1].prompt),
+                                                                                batch[-1].params))
+        finally:
+            self.waiting.extendleft(reversed(later))
 
     def _fits(self) -> bool:
         r = self.waiting[0]  # whether the pool has the pages the oldest waiting one reserves (cached ones shared)

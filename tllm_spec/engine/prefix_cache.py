@@ -81,11 +81,11 @@ class PrefixCache:
         """Whether the pool has the pages (and a slot) for ``num_tokens`` positions of a waiting request."""
         return self.kv.can_allocate(num_tokens, self.match(request))
 
-    def allocate(self, request: Request, num_tokens: int) -> int:
-        """Reserve ``num_tokens`` positions for an admitted request, sharing its cached pages; it then prefills
-        from the first position not cached. Returns its slot."""
+    def allocate(self, request: Request, num_tokens: int) -> None:
+        """Reserve ``num_tokens`` positions for an admitted request (its ``slot``), sharing its cached pages; it
+        then prefills from the first position not cached."""
         shared = self.match(request)
-        slot = self.kv.allocate(num_tokens, shared)
+        slot = request.slot = self.kv.allocate(num_tokens, shared)
         if self.enabled:
             request.num_published = len(shared)
             self.queries += len(request.prompt)
@@ -93,7 +93,6 @@ class PrefixCache:
         if shared:
             request.num_cached = request.stats.cached_prompt_tokens = len(shared) * self.page_size
             self.worker.prefix_reused(slot, request.prompt[:request.num_cached])
-        return slot
 
     def waits_for_writer(self, request: Request, writers: list[Request]) -> bool:
         """Whether a waiting request's first page not cached is one that a request prefilling now (``writers``:
