@@ -33,7 +33,7 @@ class EngineState:
     num_cuda_graphs: int = 0  # captured CUDA graphs
     num_compiled_graphs: int = 0  # graphs torch.compile has compiled in this process
     num_evictable_kv_pages: int = 0  # cached prefix pages no request holds (counted in num_free_kv_pages)
-    num_used_kv_pages: int = 0  # pages requests hold: free + evictable + used = the pool (num_kv_pages - 1)
+    num_used_kv_pages: int = 0  # pages requests hold: num_free_kv_pages + this = the pool (num_kv_pages - 1)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens found cached
 
