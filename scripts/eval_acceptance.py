@@ -23,7 +23,7 @@ import torch
 from tllm_spec.demo import resolve
 from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.tokenizer import load_tokenizer
-from tllm_spec.tools.acceptance_eval import head_configs, heldout_texts
+from tllm_spec.tools.acceptance_eval import add_head_arguments, given, head_configs, heldout_texts
 from tllm_spec.tools.eval_workloads import (
     WORKLOADS,
     evaluate_workloads,
@@ -33,16 +33,9 @@ from tllm_spec.tools.eval_workloads import (
 )
 
 
-def _given(path: str) -> str | None:
-    return None if path == "none" else path
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="demo://target")
-    p.add_argument("--eagle3", default="demo://eagle3", help="EAGLE-3 head directory, or 'none'")
-    p.add_argument("--mtp", default="demo://mtp", help="MTP weights directory, 'target' (inside the target "
-                   "checkpoint) or 'none'")
+    add_head_arguments(p)
     p.add_argument("--draft-model", default="demo://draft", help="draft LM directory (draft_target), or 'none'")
     p.add_argument("--sa-k", type=int, default=8, help="K of suffix drafting (sa); 0 skips it")
     p.add_argument("--sa-spec-threshold", type=int, default=4, help="suffix-match length from which each head "
@@ -71,8 +64,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = None if args.tree is None else DEFAULT_EAGLE_CHOICES if args.tree == "default" else json.loads(args.tree)
-    heads = head_configs(_given(args.eagle3), _given(args.mtp), args.max_draft_len, tree, args.dynamic_tree,
-                         _given(args.draft_model), args.sa_k, args.sa_spec_threshold)
+    heads = head_configs(given(args.eagle3), given(args.mtp), args.max_draft_len, tree, args.dynamic_tree,
+                         given(args.draft_model), args.sa_k, args.sa_spec_threshold)
     texts = heldout_texts(args.prompts_from) if "first-line" in args.workloads else []
     prompts = workload_prompts(args.workloads, load_tokenizer(resolve(args.target)), texts, args.num_prompts,
                                args.prompt_tokens, args.edit_max_chars)

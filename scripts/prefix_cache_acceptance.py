@@ -13,19 +13,13 @@ from pathlib import Path
 from tllm_spec.demo import resolve
 from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.tokenizer import load_tokenizer
-from tllm_spec.tools.acceptance_eval import head_configs, heldout_texts, prompt_ids
+from tllm_spec.tools.acceptance_eval import add_head_arguments, given, head_configs, heldout_texts, prompt_ids
 from tllm_spec.tools.prefix_acceptance import evaluate, format_table
-
-
-def _given(path: str) -> str | None:
-    return None if path == "none" else path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="demo://target")
-    p.add_argument("--eagle3", default="demo://eagle3", help="EAGLE-3 head directory, or 'none'")
-    p.add_argument("--mtp", default="demo://mtp", help="MTP weights directory, 'target', or 'none'")
+    add_head_arguments(p)
     p.add_argument("--no-tree", action="store_true", help="skip the EAGLE-3 head drafting the default static tree")
     p.add_argument("-k", "--max-draft-len", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=8)
@@ -38,7 +32,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", default="runs/prefix_acceptance")
     args = p.parse_args()
-    heads = head_configs(_given(args.eagle3), _given(args.mtp), args.max_draft_len,
+    heads = head_configs(given(args.eagle3), given(args.mtp), args.max_draft_len,
                          None if args.no_tree else DEFAULT_EAGLE_CHOICES)
     prompts = prompt_ids(load_tokenizer(resolve(args.target)), heldout_texts(), args.num_prompts, args.prompt_tokens)
     result = evaluate(args.target, heads, prompts, args.max_new_tokens, args.prefix_tokens,

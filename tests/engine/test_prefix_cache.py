@@ -6,19 +6,15 @@ identical prompts admitted in the same step, a reused prefix followed by chunked
 salts; greedy and seeded sampling."""
 from __future__ import annotations
 
-import functools
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from tllm_spec import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig, SamplingParams
-from tllm_spec.drafts.mtp.model import save_random_mtp_weights
 from tllm_spec.engine.request import Request
 from tllm_spec.spec_model import SpecModel
-from tllm_spec.tools.random_models import save_random_target, target_config
 
 from ..models import tiny_draft_lm, tiny_pair
+from .test_chunked_prefill import mtp_target
 
 PAGE = 4
 BASE = [5, 17, 29, 41, 53, 65, 77, 89, 8, 20, 32, 44, 56, 68, 80, 92, 11, 23]  # 18 tokens
@@ -29,14 +25,6 @@ PROMPTS = [BASE[:3] + [7, 7, 7, 9], BASE[:4] + [3, 1], BASE[:5] + [2, 4, 6], BAS
 UNRELATED = [96, 95, 94, 93, 92, 91, 90]
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
-
-
-@functools.cache
-def mtp_target() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="tllm_spec_prefix_mtp_"))
-    save_random_target(root, target_config("llama", vocab_size=97), seed=0)
-    save_random_mtp_weights(root, 3, "deepseek", seed=1)
-    return root
 
 
 def spec_for(kind: str):

@@ -63,6 +63,19 @@ def prompt_ids(tokenizer, texts: list[str], num_prompts: int, prompt_tokens: int
     return prompts
 
 
+def add_head_arguments(parser) -> None:
+    """The target and head flags of the acceptance scripts (a path, a ``demo://`` name, or 'none': :func:`given`)."""
+    parser.add_argument("--target", default="demo://target")
+    parser.add_argument("--eagle3", default="demo://eagle3", help="EAGLE-3 head directory, or 'none'")
+    parser.add_argument("--mtp", default="demo://mtp", help="MTP weights directory, 'target' (inside the target "
+                        "checkpoint) or 'none'")
+
+
+def given(path: str) -> str | None:
+    """A head flag's value: None for 'none'."""
+    return None if path == "none" else path
+
+
 def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[int]] | None = None,
                  dynamic_tree: tuple[int, int, int] | None = None, draft: str | None = None, sa_k: int = 0,
                  sa_spec_threshold: int = 0) -> dict[str, SpecConfig]:
