@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import _thread
 import asyncio
-import signal
 import threading
 import time
 
@@ -121,15 +120,6 @@ def test_a_failing_step_frees_pages_raises_and_the_next_call_works(demo, monkeyp
     monkeypatch.setattr(demo.runner, "step", real_step)
     assert [o.finish_reason for o in demo.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))] \
         == ["length"] * 4
-
-
-@pytest.fixture
-def python_ctrl_c():
-    """Python's own Ctrl-C handler for the test, whatever the process inherited: a shell's background job starts
-    with SIGINT ignored, and then interrupt_main does nothing."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_in_generate_returns_the_pages(demo, python_ctrl_c):

@@ -224,15 +224,6 @@ def test_a_keyboard_interrupt_in_a_reusing_chunk_returns_every_page(model, expec
     assert_hits_with_cache_off_output(model, expected, REUSERS[0], len(PREFIX))
 
 
-@pytest.fixture
-def python_ctrl_c():
-    """Python's own Ctrl-C handler for the test, whatever the process inherited: a shell's background job starts
-    with SIGINT ignored, and then interrupt_main does nothing."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_ctrl_c_in_generate_during_a_reusing_prefill_returns_every_page(model, expected, monkeypatch,
                                                                          python_ctrl_c):
     """Ctrl-C reaches the caller of generate while the engine's thread runs the chunk past the reused pages (SIGINT
