@@ -153,20 +153,25 @@ def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positio
     return q.new_empty(q.shape)
 
 
+SHORT_CHUNK = 2048  # prompt chunks up to this long over cached K/V share one varlen flash call (context_attention)
+
+
 def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """The context chunks' attention (their K/V already written). q [C, Hq, D]; k, v [C, Hkv, D] -> [C, Hq, D],
     C = meta.num_context_tokens. A chunk from position 0 attends to itself (dense causal SDPA on this forward's
     k, v); a chunk from p > 0 to its request's cached positions [0, p + n) (:func:`cached_prefix_attention`, or
     on the GPU the paged kernel under a sliding window). On the GPU in bf16/fp16, when some chunk continues its
-    prompt, every chunk in one variable-length flash call over keys gathered from the pages
-    (:func:`chunks_over_cache_attention`; where torch has no such call, the paths above)."""
+    prompt and none is longer than SHORT_CHUNK (a prefix cache hit's remainder, a conversation's next turn),
+    every chunk in one variable-length flash call over keys gathered from the pages
+    (:func:`chunks_over_cache_attention`: no call per request, no cuDNN plan per new shape); a long chunk keeps
+    cuDNN's two calls, whose attention runs about twice as fast as flash attention's with a lower-right bias."""
     starts = meta.chunk_starts
     if not any(starts):
         return prefill_attention(q, k, v, meta.context_lens, scale, sliding_window)
     cache = meta.kv_cache
     k_cache, v_cache = layer_caches(cache, layer)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # one flash call for every chunk
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and max(meta.context_lens) <= SHORT_CHUNK:
         firsts = torch.tensor(list(itertools.accumulate((0, *meta.context_lens[:-1]))), dtype=torch.int64)
         slots = meta.token_slots.index_select(0, firsts.to(q.device, non_blocking=True))
         out = chunks_over_cache_attention(q, k_cache, v_cache, cache.block_tables, slots, meta.context_lens,
