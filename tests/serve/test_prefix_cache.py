@@ -59,7 +59,7 @@ def test_a_repeated_prompt_reports_its_cached_pages_and_the_same_greedy_text(cli
         assert hit.usage.prompt_tokens == miss.usage.prompt_tokens  # cached tokens are part of the prompt's count
 
 
-def test_continuous_usage_carries_the_cached_tokens_once_the_engine_reports_them(client):
+def test_continuous_usage_carries_the_cached_tokens_in_every_chunk(client):
     prompt = _prompt()
     _send(client, "completions", prompt)
     usages = [chunk.usage for chunk in client.completions.create(
@@ -67,8 +67,7 @@ def test_continuous_usage_carries_the_cached_tokens_once_the_engine_reports_them
         stream_options={"include_usage": True, "continuous_usage_stats": True})]
     assert len(usages) > 2 and all(usage is not None for usage in usages)
     expected = _cacheable(usages[-1])
-    assert _cached(usages[-1]) == _cached(usages[-2]) == expected > 0  # the usage chunk and the last content chunk
-    assert all(u.prompt_tokens_details is None or _cached(u) == expected for u in usages)  # none says otherwise
+    assert expected > 0 and all(_cached(u) == expected for u in usages)
 
 
 def test_metrics_count_the_looked_up_and_cached_tokens_and_the_page_gauges_add_up(client, server_url):

@@ -99,6 +99,7 @@ class StreamOutput:
     exception: BaseException | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    cached_prompt_tokens: int = 0  # the request's prompt tokens the prefix cache served (known from admission on)
 
     @classmethod
     def merged(cls, outs: list[StreamOutput]) -> StreamOutput:
@@ -112,7 +113,8 @@ class StreamOutput:
         return cls(last.request_id, [t for o in outs for t in o.token_ids], "".join(texts) if texts else None,
                    last.finished, last.output, last.exception,
                    [x for o in with_logprobs for x in o.logprobs] if with_logprobs else None,
-                   [x for o in with_logprobs for x in o.top_logprobs] if with_logprobs else None)
+                   [x for o in with_logprobs for x in o.top_logprobs] if with_logprobs else None,
+                   last.cached_prompt_tokens)
 
     @property
     def finish_reason(self) -> str | None:
@@ -199,7 +201,8 @@ class Request:
         start, self.num_emitted = self.num_emitted, len(self.output)
         logprobs, top = (None, None) if self.logprobs is None else (self.logprobs[start:], self.top_logprobs[start:])
         return StreamOutput(self.request_id, self.output[start:], text, finished,
-                            self.to_output() if finished else None, self.exception, logprobs, top)
+                            self.to_output() if finished else None, self.exception, logprobs, top,
+                            self.stats.cached_prompt_tokens)
 
     def to_output(self) -> RequestOutput:
         error = self.error or ("an accepted token broke the grammar (forced or relaxed acceptance)"

@@ -181,10 +181,8 @@ async def _events(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
 
 
 def _usage_so_far(job: Job, num_tokens: int, out: StreamOutput) -> Usage:
-    """A continuous-usage chunk's usage: the cached prompt tokens once the request's output carries them (its last
-    chunk; a StreamOutput before it does not say)."""
-    cached = out.output.stats.cached_prompt_tokens if out.output is not None else None
-    return Usage.of(len(job.prompt_ids), num_tokens, cached)
+    """A continuous-usage chunk's usage (the cached prompt tokens are known from the request's admission on)."""
+    return Usage.of(len(job.prompt_ids), num_tokens, out.cached_prompt_tokens)
 
 
 class _PendingLogprobs:

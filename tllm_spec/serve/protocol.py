@@ -16,8 +16,7 @@ class PromptTokensDetails(BaseModel):
 
 
 class Usage(BaseModel):
-    """OpenAI's usage; ``prompt_tokens_details`` is None only in a continuous-usage chunk sent before the
-    request's end, where the engine has not yet reported its cached prompt tokens."""
+    """OpenAI's usage, ``prompt_tokens_details.cached_tokens`` included."""
 
     prompt_tokens: int
     completion_tokens: int
