@@ -15,6 +15,7 @@ from .loop import EngineLoop
 from .request import AcceptanceStats, GenerationOutputs, RequestOutput, StreamOutput
 
 _ABORT_WAIT_S = 30.0  # how long an interrupted caller waits for its requests' pages to come back
+_INTERRUPT_POLL_S = 0.1  # the caller's longest wait for an output before it checks for a Ctrl-C
 
 
 class RequestStream:
@@ -120,14 +121,17 @@ def generate(loop: EngineLoop, prompts: Sequence[str | list[int]], sampling_para
 def _run_batch(loop: EngineLoop, accepted: list[tuple[int, list[int], SamplingParams]], seed: int, progress: bool,
                outputs: list[RequestOutput | None]) -> None:
     inbox: queue.SimpleQueue[StreamOutput] = queue.SimpleQueue()
-    ids = loop.submit_batch([(prompt, p, None, i) for i, prompt, p in accepted], inbox.put, seed)
-    index = dict(zip(ids, (i for i, _, _ in accepted)))
     total = sum(min(len(prompt) + p.max_new_tokens, loop.engine.max_seq_len) - len(prompt) for _, prompt, p in accepted)
-    pending, failure = set(ids), None
-    try:
+    pending, failure = set(), None
+    try:  # from the submission on: a Ctrl-C right after it still aborts what was submitted
+        ids = loop.submit_batch([(prompt, p, None, i) for i, prompt, p in accepted], inbox.put, seed)
+        pending, index = set(ids), dict(zip(ids, (i for i, _, _ in accepted)))
         with tqdm(total=total, unit="tok", disable=not progress, desc="generate") as bar:
             while pending:
-                out = inbox.get()
+                try:  # a bounded wait: a Ctrl-C is taken within it even while no output comes (a long prefill)
+                    out = inbox.get(timeout=_INTERRUPT_POLL_S)
+                except queue.Empty:
+                    continue
                 bar.update(len(out.token_ids))
                 if out.finished:
                     pending.discard(out.request_id)
