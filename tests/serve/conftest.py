@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -41,13 +42,16 @@ def running_server(*extra_args: str) -> Iterator[str]:
 
 
 @contextmanager
-def server_process(*extra_args: str) -> Iterator[tuple[subprocess.Popen, str, object]]:
-    """(the server's process, its base URL, its log file: stdout and stderr) once it answers /health."""
+def server_process(*extra_args: str, launcher: tuple[str, ...] = ("tllm_spec.serve.cli",)
+                   ) -> Iterator[tuple[subprocess.Popen, str, object]]:
+    """(the server's process, its base URL, its log file: stdout and stderr) once it answers /health. ``launcher``:
+    the module (and its arguments before ``serve``) run with ``python -m``, from the repository's root."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes share the CPU cores
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tllm_spec.serve.cli", "serve", "--port", str(port),
-                                 *SERVER_ARGS, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", *launcher, "serve", "--port", str(port), *SERVER_ARGS,
+                                 *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).parents[2])
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_for_health(proc, url, log)

@@ -12,14 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import openai
@@ -28,7 +24,7 @@ import pytest
 from tllm_spec import SamplingParams, SpecModel
 
 from .clients import GREEDY, MODEL, scrape, wait_until
-from .conftest import SERVER_ARGS, _wait_for_health, free_port
+from .conftest import server_process
 from .pool_server import ROUTE
 
 NUM_REQUESTS = 10_000
@@ -194,22 +190,8 @@ def _hits_of(client: openai.OpenAI, url: str, prompt: str) -> int:
 @contextmanager
 def _pool_server(fields: dict) -> Iterator[str]:
     """A server (tests/serve/pool_server.py) with these EngineConfig fields; its base URL once it answers /health."""
-    port = free_port()
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.serve.pool_server", json.dumps(fields), "serve", "--port",
-                                 str(port), *SERVER_ARGS], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).parents[2])
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_for_health(proc, url, log)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with server_process(launcher=("tests.serve.pool_server", json.dumps(fields))) as (_, url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
