@@ -109,7 +109,9 @@ def test_reused_prefix_changes_nothing_a_request_sees(kind, steps):
     assert pages.num_in_use == 0 and pages.num_available == pages.total
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["eagle3"] + [pytest.param(kind, marks=pytest.mark.slow) for kind in
+                                  ("sa", "vanilla3", "plain", "tree", "dynamic_tree", "eagle3_sa", "draft_target",
+                                   "mtp_eagle")])
 def test_next_turn_reuses_the_answer(kind, steps):
     """A conversation's next turn resends the first turn's prompt and answer: the answer's final pages (written
     by decode steps) are reused too, and the turn decodes, accepts and drafts exactly as without the cache."""

@@ -127,6 +127,7 @@ def test_aborting_the_reuser_mid_prefill_returns_its_pages(model, expected):
     assert_hits_with_cache_off_output(model, expected, REUSERS[0], len(PREFIX) + PAGE)
 
 
+@pytest.mark.slow  # the README command keeps the reuser's abort, interrupts and admission faults
 def test_aborting_one_of_two_reusers_leaves_the_other_its_shared_pages(model, expected):
     engine = model.engine
     with driven(engine) as outputs:
@@ -157,6 +158,7 @@ def step_until(engine: Engine, done, max_steps: int = 50) -> None:
     assert done(), f"not done after {max_steps} steps"
 
 
+@pytest.mark.slow  # the README command keeps the reuser's abort, interrupts and admission faults
 def test_aborting_the_writer_leaves_its_published_pages_to_their_reuser(model, expected):
     """A prompt's pages are cached as its chunks complete: a request admitted meanwhile shares them, and keeps
     them when their writer is aborted mid-prefill."""
@@ -180,6 +182,7 @@ def test_aborting_the_writer_leaves_its_published_pages_to_their_reuser(model, e
     assert_hits_with_cache_off_output(model, expected, REUSERS[0], num_written)
 
 
+@pytest.mark.slow  # the README command keeps the reuser's abort, interrupts and admission faults
 def test_aborting_the_writer_of_a_prefix_others_wait_for_lets_them_run(model, expected):
     """Two requests with one new prefix, admitted together (the second may wait for the first's pages): the first
     is aborted after its first chunk; the second runs to the cache-off output."""
@@ -256,6 +259,7 @@ def test_ctrl_c_in_generate_during_a_reusing_prefill_returns_every_page(model, e
     assert_hits_with_cache_off_output(model, expected, REUSERS[1], len(PREFIX))
 
 
+@pytest.mark.slow  # the README command keeps the reuser's abort, interrupts and admission faults
 def test_reset_mid_prefill_keeps_the_held_pages_until_their_request_ends(model, expected):
     engine = model.engine
     with driven(engine) as outputs:
