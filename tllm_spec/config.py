@@ -169,6 +169,9 @@ class RunConfig(_Frozen):
     engine: EngineConfig = EngineConfig()
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:1' or 'auto'")
+    quantization: Literal["fp8"] | None = Field(None, description="'fp8': quantize a 16-bit target's linear layers "
+                                                "at load (an FP8 checkpoint loads as FP8 without it)")
+    draft_quantization: Literal["fp8"] | None = Field(None, description="'fp8': the draft's linear layers too")
 
     @model_validator(mode="before")
     @classmethod

@@ -54,15 +54,20 @@ class SpecModel:
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, spec_config: SpecConfig | None = None,
                         dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                        engine_config: EngineConfig | None = None, **engine_kwargs) -> SpecModel:
+                        engine_config: EngineConfig | None = None, quantization: str | None = None,
+                        draft_quantization: str | None = None, **engine_kwargs) -> SpecModel:
         """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft.
+
+        An FP8 checkpoint loads as FP8 (its config names the format); ``quantization="fp8"`` quantizes a 16-bit
+        target's linear layers at load (the lm_head stays), the draft only with ``draft_quantization="fp8"``
+        (else it keeps its own checkpoint's precision).
 
         ``engine_kwargs`` override fields of ``engine_config`` (e.g. ``max_batch_size=4``). With
         ``tensor_parallel_size=N`` every one of the N ranks (``torchrun --nproc-per-node N``) makes this call
         and loads its shard of the target and a whole copy of the draft.
         """
         config = engine_config_with(engine_config, engine_kwargs)
-        return cls(load_runner(target_dir, spec_config, dtype, device, config))
+        return cls(load_runner(target_dir, spec_config, dtype, device, config, quantization, draft_quantization))
 
     @classmethod
     def from_target(cls, target: TargetModel, spec_config: SpecConfig | None = None,
@@ -75,7 +80,8 @@ class SpecModel:
     def from_run_config(cls, cfg: RunConfig) -> SpecModel:
         """Build from a validated YAML run file (``target_model: None`` = the embedded demo target)."""
         return cls.from_pretrained(cfg.target_model or "demo://target", cfg.spec_config, dtype=cfg.dtype,
-                                   device=cfg.device, engine_config=cfg.engine)
+                                   device=cfg.device, engine_config=cfg.engine, quantization=cfg.quantization,
+                                   draft_quantization=cfg.draft_quantization)
 
     def generate(self, prompts: Sequence[str | list[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, seed: int = 0, progress: bool = False) -> GenerationOutputs:

@@ -62,8 +62,8 @@ def shard_of(name: str, config: PretrainedConfig, parallel: TensorParallel) -> S
 def load_sharded(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                  parallel: TensorParallel) -> PreTrainedModel:
     """This rank's shard of the checkpoint at ``path`` (safetensors, one file or an index of files)."""
-    files = _weight_files(path)
-    hf = _meta_model(config, dtype)
+    files = weight_files(path)
+    hf = meta_model(config, dtype)
     handles: dict[str, object] = {}
 
     def read_one(name: str, shard: Shard | None) -> torch.Tensor:
@@ -101,7 +101,7 @@ def random_sharded(config: PretrainedConfig, dtype: torch.dtype, device: torch.d
                    seed: int = 0) -> PreTrainedModel:
     """This rank's shard of a random-weight target (benchmarks): matrices ~ N(0, 1/fan_in), norms 1, biases 0.
     Whole tensors draw the same numbers on every rank; shards draw their own."""
-    hf = _meta_model(config, dtype)
+    hf = meta_model(config, dtype)
     shapes = {name: p.shape for name, p in hf.named_parameters(remove_duplicate=False)}
     index = {name: i for i, name in enumerate(shapes)}
 
@@ -122,7 +122,7 @@ def random_sharded(config: PretrainedConfig, dtype: torch.dtype, device: torch.d
     return hf
 
 
-def _meta_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
     from ..model.attention import ATTN_IMPLEMENTATION
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
@@ -153,10 +153,10 @@ def _materialize(hf: PreTrainedModel, config: PretrainedConfig, parallel: Tensor
         weight = torch.cat([weight, weight.new_zeros(shard.stop - shard.start - weight.shape[0], weight.shape[1])])
     head.weight = nn.Parameter(weight, requires_grad=False)
     head.out_features = weight.shape[0]
-    _rebuild_meta_buffers(hf, config, device)
+    rebuild_meta_buffers(hf, config, device)
 
 
-def _rebuild_meta_buffers(hf: PreTrainedModel, config: PretrainedConfig, device: torch.device) -> None:
+def rebuild_meta_buffers(hf: PreTrainedModel, config: PretrainedConfig, device: torch.device) -> None:
     """Rotary modules hold computed (non-checkpoint) buffers: build them again on ``device``."""
     for name, module in list(hf.named_modules()):
         if not any(b.is_meta for b in module.buffers(recurse=False)):
@@ -168,14 +168,14 @@ def _rebuild_meta_buffers(hf: PreTrainedModel, config: PretrainedConfig, device:
             setattr(parent, name.rpartition(".")[2], type(module)(config=config))
 
 
-def _weight_files(path: Path) -> dict[str, str]:
+def weight_files(path: Path) -> dict[str, str]:
     """Tensor name -> safetensors file name."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return json.loads(index.read_text())["weight_map"]
     single = path / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{path}: tensor parallelism reads safetensors checkpoints (model.safetensors "
+        raise FileNotFoundError(f"{path}: tensor parallelism and FP8 checkpoints read safetensors files (model.safetensors "
                                 "or model.safetensors.index.json); none found")
     with safe_open(str(single), framework="pt", device="cpu") as handle:
         return {name: single.name for name in handle.keys()}

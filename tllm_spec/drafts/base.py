@@ -120,6 +120,11 @@ class SpecWorkerBase(nn.Module, ABC):
         if self.sa_enhancer is not None:
             self.sa_enhancer.prefix_reused(slot, tokens)
 
+    def draft_network(self) -> nn.Module | None:
+        """The draft's own network (an EAGLE-3 head, MTP modules, a draft LM; None without one), whose linear
+        layers ``draft_quantization`` quantizes before :meth:`fuse`."""
+        return getattr(self, "draft_model", None)
+
     def fuse(self, max_positions: int) -> None:
         """Switch the draft network to its fused inference layers (positions < max_positions); default none."""
 

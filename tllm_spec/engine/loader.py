@@ -19,7 +19,8 @@ from ..drafts.eagle3.worker import build_eagle3_worker
 from ..drafts.mtp.worker import build_mtp_worker
 from ..drafts.plain import PlainWorker
 from ..drafts.sa.worker import build_sa_worker
-from ..model.target import TargetModel, check_max_seq_len
+from ..model.quant.linear import quantize_linears
+from ..model.target import TargetModel, check_max_seq_len, check_quantization
 from ..modes import SpeculativeDecodingMode
 from ..tokenizer import load_tokenizer
 from .runner import ModelRunner
@@ -32,7 +33,8 @@ WORKER_BUILDERS: dict[type, Callable[[TargetModel, SpecConfig, int], SpecWorkerB
 
 
 def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: torch.dtype | str | None,
-                device: torch.device | str | None, engine_config: EngineConfig) -> ModelRunner:
+                device: torch.device | str | None, engine_config: EngineConfig, quantization: str | None = None,
+                draft_quantization: str | None = None) -> ModelRunner:
     """Load a local HF causal-LM directory (``demo://target`` for the embedded default) and its draft. With
     ``tensor_parallel_size=N`` every one of the N ranks (``torchrun --nproc-per-node N``) makes this call and
     loads its shard of the target and a whole copy of the draft (an EAGLE-3 head, MTP modules, a draft LM)."""
@@ -43,8 +45,8 @@ def load_runner(target_dir: str | Path, spec_config: SpecConfig | None, dtype: t
         spec_config = spec_config.model_copy(update={"mtp_checkpoint": DEMO_MTP})  # shipped beside the target
     target_dir = demo.resolve(target_dir)
     check_positions(target_dir, engine_config.max_seq_len)
-    target = TargetModel.load(target_dir, resolve_dtype(dtype, device), device, parallel)
-    return runner_for_target(target, spec_config, engine_config, load_tokenizer(target_dir))
+    target = TargetModel.load(target_dir, resolve_dtype(dtype, device), device, parallel, quantization)
+    return runner_for_target(target, spec_config, engine_config, load_tokenizer(target_dir), draft_quantization)
 
 
 def check_positions(target_dir: Path, max_seq_len: int | None) -> None:
@@ -62,8 +64,9 @@ def check_positions(target_dir: Path, max_seq_len: int | None) -> None:
 
 
 def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engine_config: EngineConfig,
-                      tokenizer=None) -> ModelRunner:
-    """Wrap an already loaded (or randomly initialised) target and load the draft for it."""
+                      tokenizer=None, draft_quantization: str | None = None) -> ModelRunner:
+    """Wrap an already loaded (or randomly initialised) target and load the draft for it; ``draft_quantization``
+    ``"fp8"``: the draft network's own linear layers quantized online (:meth:`SpecWorkerBase.draft_network`)."""
     tp_size = target.parallel.size if target.parallel else 1
     if engine_config.tensor_parallel_size != tp_size:
         raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but the target is split "
@@ -71,12 +74,27 @@ def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engin
     if tp_size > 1 and engine_config.tp_all_reduce == "auto":  # every rank, together: a rendezvous
         weight = target.lm_head.weight
         symmetric.enable(target.parallel.group_name, weight.dtype, weight.device)
+    check_quantization(draft_quantization)
     if spec_config is None:
+        if draft_quantization:
+            raise ValueError("draft_quantization is given but there is no draft (spec_config=None)")
         return ModelRunner(target, PlainWorker(), SpeculativeDecodingMode.NONE, engine_config, tokenizer)
     spec_config = resolve_demo_paths(spec_config)
     worker = WORKER_BUILDERS[type(spec_config)](target, spec_config, engine_config.max_batch_size)
+    if draft_quantization:
+        quantize_draft(worker)
     return ModelRunner(target, worker, spec_config.spec_dec_mode, engine_config, tokenizer,
                        spec_config.draft_len_schedule)
+
+
+def quantize_draft(worker: SpecWorkerBase) -> None:
+    """FP8 for the draft network's own linear layers (an EAGLE-3 head's, MTP modules', a draft LM's; never the
+    target's, which a draft may share): before any fusing, so its fused projections are FP8 too."""
+    network = worker.draft_network()
+    if network is None:
+        raise ValueError(f"draft_quantization: {type(worker).__name__} has no draft network to quantize")
+    if quantize_linears(network) == 0:
+        raise ValueError(f"draft_quantization: {type(worker).__name__}'s draft has no linear layer to quantize")
 
 
 def resolve_demo_paths(spec_config: SpecConfig) -> SpecConfig:

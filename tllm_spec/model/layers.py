@@ -18,6 +18,7 @@ from ..kernels.rotary import rotary
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 from ..kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_ref
 from .attention import AttentionMetadata, attend
+from .quant.linear import Fp8Linear, fuse_fp8
 from .rotary import apply_rotary
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
@@ -31,11 +32,23 @@ def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: tor
     [N, 1, D]: the first ``rotary_cols`` features rotated per head of D. On CUDA through the skinny-GEMM op: a
     decoding step's few rows (<= 32, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
     and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
-    so one compiled graph serves both); elsewhere the same stock ops (the op's reference)."""
+    so one compiled graph serves both); elsewhere the same stock ops (the op's reference). An FP8 ``layer``
+    (:class:`~.quant.linear.Fp8Linear`) takes its own kernels, the rotation after them."""
+    if isinstance(layer, Fp8Linear):
+        y = layer.project(x, gated=gated, residual=residual)
+        return y if rope is None else rotate_columns(y, rope, rotary_cols)
     cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
     op = traced(torch.ops.tllm_spec.skinny_linear, skinny_linear) if x.is_cuda else skinny_linear_ref
     return op(x, layer.weight, layer.bias, gated=gated, residual=residual, rope_cos=cos, rope_sin=sin,
               rotary_cols=rotary_cols)
+
+
+def rotate_columns(y: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary_cols: int) -> torch.Tensor:
+    """y [N, F] with its first ``rotary_cols`` features rotated per head of the table's width (a q|k|v
+    projection's q and k heads), the rest as they are."""
+    head_dim = rope[0].shape[-1]
+    heads = eager_kernel(apply_rotary, rotary)(y[:, :rotary_cols].view(y.shape[0], -1, head_dim), *rope)
+    return torch.cat([heads.flatten(1), y[:, rotary_cols:]], dim=1)
 
 
 def few_row_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
@@ -88,7 +101,12 @@ def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, r
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One ``nn.Linear`` computing ``cat([l(x) for l in linears], -1)``; the sources' weights (and biases) become
-    views of the fused ones. All sources share in_features, dtype, device and bias presence."""
+    views of the fused ones. All sources share in_features, dtype, device and bias presence (FP8 ones:
+    :func:`~.quant.linear.fuse_fp8`)."""
+    if any(isinstance(lin, Fp8Linear) for lin in linears):
+        if not all(isinstance(lin, Fp8Linear) for lin in linears):
+            raise ValueError("fuse_linears: FP8 and unquantized projections cannot share one GEMM")
+        return fuse_fp8(linears)
     has_bias = linears[0].bias is not None
     if any((lin.bias is not None) != has_bias or lin.in_features != linears[0].in_features for lin in linears):
         raise ValueError("fuse_linears: the projections differ in input size or bias presence")

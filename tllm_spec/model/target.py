@@ -22,6 +22,8 @@ from ..distributed.sharding import load_sharded, random_sharded
 from .attention import ATTN_IMPLEMENTATION, AttentionMetadata
 from .decoder import FusedDecoder
 from .layers import COMPILE_OPTIONS, linear
+from .quant import checkpoint as quant_checkpoint
+from .quant.linear import quantize_linears
 
 
 class TargetModel(nn.Module):
@@ -48,21 +50,40 @@ class TargetModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype, device: torch.device,
-             parallel: TensorParallel | None = None) -> TargetModel:
-        """``parallel``: load only this rank's shards (checked to fit before any weight is read)."""
+             parallel: TensorParallel | None = None, quantization: str | None = None) -> TargetModel:
+        """``parallel``: load only this rank's shards (checked to fit before any weight is read). An FP8 checkpoint
+        (its config says which format: :mod:`.quant.checkpoint`) loads as FP8; ``quantization="fp8"`` quantizes a
+        higher-precision checkpoint's linear layers (the lm_head stays) on the way to ``device``."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
         config = AutoConfig.from_pretrained(path)
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"{path}: encoder-decoder models are not supported; tllm_spec needs a causal LM")
+        check_quantization(quantization)
+        scheme = quant_checkpoint.scheme_of(path, config)
+        if (scheme is not None or quantization) and is_moe_config(config):
+            raise NotImplementedError(f"{path}: FP8 mixture-of-experts targets are not supported yet (the experts' "
+                                      "FP8 path is a later addition); load a bf16 checkpoint without quantization")
         if parallel is not None:
+            if scheme is not None:
+                raise NotImplementedError(f"{path}: an FP8 checkpoint ({scheme.name}) with tensor parallelism is not "
+                                          "supported yet; quantization='fp8' on a bf16 checkpoint is")
             target = cls(_sharded(config, parallel, lambda: load_sharded(path, config, dtype, device, parallel)),
                          parallel)
+            if quantization:
+                quantize_linears(target.hf, device=device)
             target.hf.generation_config = _generation_config(path, target.hf.generation_config)
             target.checkpoint_dir = path
             return target
-        target = cls(_load_complete(path, dtype).to(device).eval())
+        if scheme is not None:
+            hf = quant_checkpoint.load(path, config, dtype, scheme)
+            hf.generation_config = _generation_config(path, hf.generation_config)
+        else:
+            hf = _load_complete(path, dtype)
+            if quantization:
+                quantize_linears(hf, device=device)
+        target = cls(hf.to(device).eval())
         target.checkpoint_dir = path
         return target
 
@@ -79,6 +100,19 @@ class TargetModel(nn.Module):
         with torch.device(device):
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         return cls(hf.eval())
+
+    def quantize(self, quantization: str | None) -> TargetModel:
+        """Online quantization of an already built target (a random benchmark target): ``"fp8"`` replaces its
+        linear layers, the lm_head excepted, by FP8 ones (:func:`~.quant.linear.quantize_linears`); before
+        :meth:`fuse`. None: unchanged."""
+        check_quantization(quantization)
+        if quantization:
+            if is_moe_config(self.config):
+                raise NotImplementedError("FP8 mixture-of-experts targets are not supported yet")
+            if self.fused is not None:
+                raise RuntimeError("quantize the target before fusing its layers")
+            quantize_linears(self.hf)
+        return self
 
     def fuse(self, max_positions: int) -> bool:
         """Switch to the fused decoder (RoPE table for positions < ``max_positions``); False when the
@@ -171,6 +205,20 @@ class TargetModel(nn.Module):
         if self.parallel is not None:
             logits = gather_vocab(logits, self.vocab_size, self.parallel)
         return logits.float()
+
+
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported; give one of {list(QUANTIZATIONS)} or None")
+
+
+def is_moe_config(config: PretrainedConfig) -> bool:
+    """Whether a config describes a mixture-of-experts model (any expert count field above 1)."""
+    return any((getattr(config, key, None) or 0) > 1 for key in ("num_experts", "num_local_experts",
+                                                                 "n_routed_experts"))
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

@@ -111,7 +111,7 @@ class Eagle3DraftModel(nn.Module):
         """Inference fast path: fused projections and a precomputed RoPE table for positions < max_positions."""
         self.midlayer.fuse()
         if self.rope_table is None:
-            self.rope_table = RotaryTable.from_hf(self.rotary_emb, max_positions, self.fc.weight.dtype)
+            self.rope_table = RotaryTable.from_hf(self.rotary_emb, max_positions, self.lm_head.weight.dtype)
         elif self.rope_table.max_positions < max_positions:
             self.rope_table.resize(max_positions)
 
@@ -135,7 +135,7 @@ class Eagle3DraftModel(nn.Module):
 
     def _forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         if hidden.shape[-1] == self.fc.in_features:  # first pass: fuse the target's features
-            hidden = linear(hidden.to(self.fc.weight.dtype), self.fc)
+            hidden = linear(hidden.to(self.lm_head.weight.dtype), self.fc)  # the head's dtype (fc may be FP8)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         return self.midlayer(embeds, hidden, self._rope(hidden, attn.rotary_positions), attn)
 

@@ -134,7 +134,7 @@ class MTPDraftModel(nn.Module):
         if all(block is not None for block in blocks):
             for module, block in zip(self.mtp_modules, blocks):
                 module.block = block
-            dtype = self.mtp_modules[0].eh_proj.weight.dtype
+            dtype = self.mtp_modules[0].enorm.weight.dtype
             self.rope_table = RotaryTable.from_hf(self.rotary_emb, max_positions, dtype)
 
     def kv_shapes(self) -> list[tuple[int, int]]:

@@ -1,0 +1,241 @@
+"""``y = x @ dequant(weight).T (+ bias)`` with FP8 (E4M3) weights and activations: the GEMM of every FP8 linear.
+
+The weight is stored FP8 with fp32 scales, per output channel ([N]) or per 128 x 128 block ([N/128, K/128],
+fine-grained checkpoints). The activation is quantized on the fly, as the checkpoint's scheme says: per token
+(a row's absolute maximum / 448, optionally clamped to ``scale_ub`` first), per token and 128-wide group of K (block
+scales), or with one static scale (``input_scale``). The product is FP8 x FP8 with fp32 accumulation, scaled in the
+epilogue (per K block inside the loop for block scales), rounded to x's dtype.
+
+Few rows (M <= ``MAX_ROWS``, a decoding step's) run :func:`_fp8_linear_kernel`: a weight-streaming GEMM like
+:mod:`.skinny_linear`, whose prologue quantizes the activation (each program reads the few rows' maxima itself,
+from L2: no quantization kernel, no launch between the norm and the GEMM) and whose epilogue holds the SwiGLU
+product of a fused gate/up projection or a residual add, as the bf16 kernel does. More rows (prompt chunks, large
+batches) with channel scales are ``torch._scaled_mm`` (cuBLASLt, row-wise scales) after a torch quantization;
+with block scales the same Triton kernel over tiles of 64 rows. :func:`fp8_linear_ref` is the CPU path and the
+oracle: it dequantizes both operands to fp32 and multiplies, so a CPU model is the checkpoint's maths exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from . import dependent_launch
+from .silu_mul import silu_mul_ref
+
+try:  # triton is a GPU extra: the package imports and runs without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row quantizes to zeros, not to 0 / 0
+GROUP = 128  # the K width of an activation group and of a weight block (fine-grained FP8)
+MAX_ROWS = 64  # up to here the Triton kernel streams the weight; above, cuBLASLt
+
+
+def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None = None, group: int = 0,
+                        scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q FP8 [M, K], scales fp32 [M, G]) with x ~= x_q * scales (each scale over K / G columns):
+    ``input_scale`` (a one-element tensor): that scale for every row (G = 1); else dynamic: per row (``group`` 0,
+    G = 1, the row maximum clamped to ``scale_ub`` when given) or per row and ``group`` columns (G = K / group)."""
+    rows, cols = x.shape
+    xf = x.float().view(rows, -1, group or cols)
+    if input_scale is not None:
+        scale = input_scale.float().reshape(1, 1).expand(rows, xf.shape[1])
+    else:
+        amax = xf.abs().amax(dim=-1)
+        if scale_ub is not None:
+            amax = amax.clamp(max=scale_ub)
+        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    x_q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x_q.view(rows, cols), scale.contiguous()
+
+
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None
+                      ) -> torch.Tensor:
+    """FP8 weight [N, K] with scales [N] (per channel) or [ceil(N / bn), ceil(K / bk)] (``block`` = (bn, bk)) ->
+    fp32 [N, K]."""
+    w = weight.float()
+    if block is None:
+        return w * weight_scale.float().reshape(-1, 1)
+    bn, bk = block
+    scale = weight_scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return w * scale[:w.shape[0], :w.shape[1]]
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
+                   gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference (the CPU path and the oracle). x [M, K] (any float dtype); weight FP8 [N, K]; weight_scale
+    fp32 [N], or [ceil(N/128), ceil(K/128)] with ``block_scales`` (the activation then quantized per 128 columns);
+    ``input_scale``: a static activation scale; bias [N] -> y [M, N] in x's dtype (``gated``: silu(y[:, :N/2]) *
+    y[:, N/2:] [M, N/2]; ``residual``: plus it, rounded as eager torch's ``residual + y``)."""
+    group = GROUP if block_scales else 0
+    x_q, x_scale = quantize_activation(x, input_scale, group, scale_ub)
+    rows, cols = x.shape
+    x_dq = (x_q.float().view(rows, x_scale.shape[1], -1) * x_scale[..., None]).view(rows, cols)
+    w_dq = dequantize_weight(weight, weight_scale, (GROUP, GROUP) if block_scales else None)
+    y = F.linear(x_dq, w_dq, None if bias is None else bias.float()).to(x.dtype)
+    if gated:
+        y = silu_mul_ref(y)
+    return y if residual is None else residual + y
+
+
+def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows (padded to 16, 32 or
+    64): a weight row tile of 128-256 bytes per stage, as the bf16 kernel's 512-byte tiles hold half the values.
+    Block scales fix BLOCK_K at the block's 128."""
+    block_k = GROUP if block_scales else 256
+    if n <= 4096:
+        return 32, block_k, 4, 4
+    return 64, block_k, 4, 4
+
+
+def padded_rows(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
+    """Whether :func:`fp8_linear` runs a kernel (Triton or cuBLASLt) for these operands, not the reference."""
+    return (kernels.runs_kernel(x) and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (not block_scales or x.shape[1] % GROUP == 0))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
+               gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`."""
+    if not supports(x, weight, block_scales):
+        return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
+    rows = x.shape[0]
+    if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(x, weight):
+        return _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual)
+    n, k = weight.shape
+    block_n, block_k, num_warps, num_stages = tile_config(n, k, rows, block_scales)
+    tile_rows = padded_rows(min(rows, MAX_ROWS))
+    out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch.launches_dependent(x)
+    grid = (triton.cdiv(out.shape[1], block_n // 2 if gated else block_n), triton.cdiv(rows, tile_rows))
+    _fp8_linear_kernel[grid](
+        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, residual if residual is not None else out, out, rows,
+        out.shape[1], k, x.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
+        weight_scale.stride(0) if block_scales else 0, float(scale_ub or 0.0),
+        HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
+        STATIC_INPUT=input_scale is not None, HAS_UB=scale_ub is not None, BLOCK_SCALES=block_scales,
+        ROWS=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **dependent_launch.launch_options(pdl))
+    return out
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """cuBLASLt's FP8 GEMM wants 16-aligned sizes and a half-precision output."""
+    return x.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual) -> torch.Tensor:
+    """Many rows, channel scales: torch quantization, then cuBLASLt with row-wise scales (fp32 [M, 1] x [1, N])."""
+    x_q, x_scale = quantize_activation(x, input_scale, 0, scale_ub)
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float().reshape(1, -1),
+                         bias=bias, out_dtype=x.dtype)
+    if gated:
+        y = silu_mul_ref(y)
+    return y if residual is None else residual + y
+
+
+@torch.library.custom_op("tllm_spec::fp8_linear", mutates_args=())
+def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                  input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
+                  gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fp8_linear` as a torch op (opaque to torch.compile). x [M, K] -> [M, N] (gated: N/2)."""
+    return fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
+
+
+@fp8_linear_op.register_fake
+def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale_ub=None, gated=False, residual=None):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
+
+
+if triton is not None:
+    from .dependent_launch import wait_and_release
+
+    @triton.jit
+    def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                           stride_rm, stride_ws, scale_ub, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                           HAS_RESIDUAL: tl.constexpr, STATIC_INPUT: tl.constexpr, HAS_UB: tl.constexpr,
+                           BLOCK_SCALES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """One program: output features [pid_n * BLOCK_N, +BLOCK_N) (GATED: gate row f and up row N + f
+        interleaved, as in the bf16 kernel) of rows [pid_m * ROWS, +ROWS), the whole of K. The activation is
+        quantized per row (its maximum read in a first pass over the row) or per row and 128-wide group (each K
+        tile its own scale, BLOCK_K = 128: the weight block's scale applied to the tile's partial product)."""
+        pid_n = tl.program_id(0)
+        offs_m = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        offs_k = tl.arange(0, BLOCK_K)
+        cols = tl.arange(0, BLOCK_N)
+        if GATED:
+            pair = pid_n * (BLOCK_N // 2) + cols // 2
+            w_row = pair + (cols % 2) * N
+            mask_n = pair < N
+            rows_n = 2 * N
+        else:
+            w_row = pid_n * BLOCK_N + cols
+            mask_n = w_row < N
+            rows_n = N
+        mask_m = offs_m < M
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
+        if PDL:
+            wait_and_release()
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        if BLOCK_SCALES:
+            ws_rows = ws_ptr + (w_row // BLOCK_K) * stride_ws
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+                x_scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1.0 / (448.0 * 512.0))
+                x_q = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                w_scale = tl.load(ws_rows + k0 // BLOCK_K, mask=mask_n & (w_row < rows_n), other=0.0)
+                acc += tl.dot(x_q, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
+        else:
+            if STATIC_INPUT:
+                x_scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+            else:
+                amax = tl.zeros((ROWS,), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + offs_k
+                    x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+                    amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+                if HAS_UB:
+                    amax = tl.minimum(amax, scale_ub)
+                x_scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+                x_q = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                acc = tl.dot(x_q, tl.trans(w), acc)
+            w_scale = tl.load(ws_ptr + w_row, mask=mask_n, other=0.0)
+            acc = acc * x_scale[:, None] * w_scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        dtype = y_ptr.dtype.element_ty
+        if GATED:
+            gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (ROWS, BLOCK_N // 2, 2)))
+            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        else:
+            y = acc.to(dtype)
+            offs_n = w_row
+        mask_y = mask_m[:, None] & (offs_n < N)[None, :]
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_y)
