@@ -115,6 +115,9 @@ def parse_args() -> argparse.Namespace:
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
     p.add_argument("--sweep-acceptance", type=float, default=0.7, help="per-draft acceptance rate of the sweep: "
                    "k drafts accept sum_i a^i on average (0.7 gives 1.53 of 3)")
+    p.add_argument("--quantization", choices=["fp8"], help="the target quantized online (random weights, per-channel "
+                   "FP8, dynamic per-token activations; the head stays bf16), measured beside the bf16 target in "
+                   "the same run (its plain points at every batch, EAGLE-3 at K of K forced)")
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json (or context.json, or a start-up JSON)")
     add_context_arguments(p)
@@ -189,12 +192,14 @@ def main() -> None:
               "tp_all_reduce": args.tp_all_reduce}
     results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
                "tp_all_reduce": args.tp_all_reduce,
-               "dtype": "bfloat16",
+               "dtype": "bfloat16", "quantization": args.quantization,
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None,
                "spec": spec_name, "spec_fields": spec_fields, "draft_shape": args.draft_shape,
                "moe": None}  # routing.moe_summary of the target, once built
-    variants, default_models = [("default", {})], None
+    variants, default_models = [("default", {"quantization": args.quantization})], None
+    if args.quantization:
+        variants.append(("bf16", {}))
     if args.compare_eager:  # the default compiles the step where compile_step="auto" finds that it pays
         stock = {"use_fused_layers": False, "compile_step": False}
         if is_moe_shape(args.shape):  # the stock expert loop syncs with the host: no graph can capture it
@@ -202,14 +207,16 @@ def main() -> None:
         variants += [("fused, compiled", {"compile_step": True}), ("fused, not compiled", {"compile_step": False}),
                      ("stock HF layers", stock)]
     for name, options in variants:
-        if name != "default" and options.get("use_fused_layers", True) and \
+        if name not in ("default", "bf16") and options.get("use_fused_layers", True) and \
                 options.get("compile_step") == default_models[1].runner.graph_runner.compile_step:
             continue  # the default already measured it
         start = time.perf_counter()
+        options = dict(options)
+        quantization = options.pop("quantization", None)
         with tempfile.TemporaryDirectory() as workdir:
             spec = random_spec_model(args.shape, spec_name, k, workdir, torch.bfloat16, "cuda",
                                      spec_fields=spec_fields, draft_shape=args.draft_shape or "llama-3.2-1b",
-                                     **engine, **options)
+                                     quantization=quantization, **engine, **options)
         plain = SpecModel.from_target(spec.target, None, **engine, **options)
         todo = forced if name == "default" else [float(k)]
         force_acceptance(plain, None)  # each captured as its first points run: forcing on or off recompiles
@@ -295,7 +302,8 @@ def table(results: dict) -> str:
     tp = results.get("tensor_parallel_size", 1)
     gpus = f"{tp} x {results['gpu']} (tensor parallel)" if tp > 1 else results["gpu"]
     moe = results.get("moe")
-    lines = [(f"{gpus}, {results['shape']} random weights, bf16, K={results['k']}, prompt "
+    weights = "FP8 target (variant default), bf16 (variant bf16)" if results.get("quantization") else "bf16"
+    lines = [(f"{gpus}, {results['shape']} random weights, {weights}, K={results['k']}, prompt "
               f"{results['prompt_len']}, {results['new_tokens']} new tokens, {results['date']}; GEMV bandwidth "
               f"{results['bandwidth_bytes_per_s']['gemv'] / 1e12:.2f} TB/s"),
              ("| variant | mode | batch | forced drafts | tokens/step | step ms | tok/s | roofline tok/s | of roofline "

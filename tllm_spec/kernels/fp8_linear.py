@@ -85,8 +85,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows (padded to 16, 32 or
-    64): a weight row tile of 128-256 bytes per stage, as the bf16 kernel's 512-byte tiles hold half the values.
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows: a weight row tile of 128-256 bytes per stage, as the bf16 kernel's 512-byte tiles hold half the values.
     Block scales fix BLOCK_K at the block's 128."""
     block_k = GROUP if block_scales else 256
     if n <= 4096:
@@ -95,7 +94,11 @@ def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int
 
 
 def padded_rows(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    """The kernel's row tile: 16 or 32; more rows run as several tiles of 32 (next to each other in the launch
+    order, so a weight tile is read from memory once and from L2 by the others). The tile never reaches 64 rows,
+    where Triton switches the FP8 dot to Hopper's warpgroup MMA, whose sums round differently: a row's result
+    is then the same whatever the number of rows beside it (a verify step's rows and a plain step's agree)."""
+    return 16 if rows <= 16 else 32
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
@@ -107,19 +110,21 @@ def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
-               gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`."""
+               gated: bool = False, residual: torch.Tensor | None = None,
+               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`;
+    ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton kernel, default :func:`tile_config`."""
     if not supports(x, weight, block_scales):
         return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
     rows = x.shape[0]
     if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(x, weight):
         return _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual)
     n, k = weight.shape
-    block_n, block_k, num_warps, num_stages = tile_config(n, k, rows, block_scales)
-    tile_rows = padded_rows(min(rows, MAX_ROWS))
+    block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
+    tile_rows = padded_rows(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch.launches_dependent(x)
-    grid = (triton.cdiv(out.shape[1], block_n // 2 if gated else block_n), triton.cdiv(rows, tile_rows))
+    grid = (triton.cdiv(rows, tile_rows), triton.cdiv(out.shape[1], block_n // 2 if gated else block_n))
     _fp8_linear_kernel[grid](
         x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, residual if residual is not None else out, out, rows,
@@ -170,11 +175,12 @@ if triton is not None:
                            BLOCK_SCALES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One program: output features [pid_n * BLOCK_N, +BLOCK_N) (GATED: gate row f and up row N + f
-        interleaved, as in the bf16 kernel) of rows [pid_m * ROWS, +ROWS), the whole of K. The activation is
+        interleaved, as in the bf16 kernel) of rows [pid_m * ROWS, +ROWS), the whole of K (axis 0 of the grid is
+        the row tile: the programs of one weight tile run next to each other). The activation is
         quantized per row (its maximum read in a first pass over the row) or per row and 128-wide group (each K
         tile its own scale, BLOCK_K = 128: the weight block's scale applied to the tile's partial product)."""
-        pid_n = tl.program_id(0)
-        offs_m = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        pid_n = tl.program_id(1)
+        offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
         cols = tl.arange(0, BLOCK_N)
         if GATED:

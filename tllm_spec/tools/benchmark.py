@@ -67,7 +67,8 @@ def measure_bandwidth(device: torch.device, gib: float = 2.0) -> dict[str, float
 def _param_bytes(module: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = (),
                  skip_tensors: tuple[torch.Tensor, ...] = ()) -> int:
     skipped = {id(p) for m in skip for p in m.parameters()} | {id(t) for t in skip_tensors}
-    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skipped)
+    scales = [b for name, b in module.named_buffers() if name.endswith("_scale")]  # FP8 layers' scales
+    return sum(p.numel() * p.element_size() for p in [*module.parameters(), *scales] if id(p) not in skipped)
 
 
 def step_bytes(model: SpecModel, batch: int, context_len: float, draft_len: int | None = None,

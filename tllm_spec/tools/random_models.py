@@ -146,14 +146,15 @@ def save_random_mtp(path: str | Path, config: PretrainedConfig, seed: int = 0, d
 
 def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | Path, dtype: torch.dtype,
                       device: str, seed: int = 0, spec_fields: dict | None = None, marks: dict | None = None,
-                      draft_shape: str = "llama-3.2-1b", **engine_kwargs):
+                      draft_shape: str = "llama-3.2-1b", quantization: str | None = None, **engine_kwargs):
     """A SpecModel over a random target of a named shape (``SHAPES``) built on ``device``; ``spec`` is
     "eagle3" (a random head written to ``workdir`` and loaded through the real loader), "draft_target" (a random
     draft LM of ``draft_shape`` with the target's vocabulary, likewise), "mtp" (one random MTP module, likewise,
     MTP-Eagle with ``max_draft_len`` drafts; a directory per rank), "sa" or "none". With
     ``tensor_parallel_size=N`` in ``engine_kwargs`` (under torchrun) each rank draws only its shards.
     ``spec_fields``: more fields of the spec config (a draft tree, use_sa_spec). ``marks``: gets the wall time
-    (time.time()) at which the target and the draft checkpoint were ready (start-up's build phases)."""
+    (time.time()) at which the target and the draft checkpoint were ready (start-up's build phases).
+    ``quantization``: the target quantized online (``TargetModel.quantize``; the draft keeps ``dtype``)."""
     from ..config import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
     from ..distributed.parallel import TensorParallel, local_process_device
     from ..model.target import TargetModel
@@ -166,6 +167,9 @@ def random_spec_model(shape: str, spec: str, max_draft_len: int, workdir: str | 
     device = local_process_device(torch.device(device)) if parallel else device
     flashinfer_ops.start_sampling_build(torch.device(device))  # as SpecModel.from_pretrained does before loading
     target = TargetModel.from_config(config, dtype, device, seed, parallel)
+    if quantization:
+        target.quantize(quantization)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     marks = {} if marks is None else marks
     marks["target"] = time.time()
     spec_config = None

@@ -1,0 +1,72 @@
+"""Weight-read speed of FP8 projections for a decoding step's few rows: tllm_spec's FP8 kernel (activation
+quantization fused) over a grid of tiles, against the bf16 skinny-GEMM kernel on the same shapes.
+
+Timing as ``bench_skinny_linear.py`` (weight copies > 4x L2, one CUDA graph per variant). GB/s counts the bytes
+each variant must read (FP8: 1 byte per weight; bf16: 2), so the FP8 kernel at the bf16 kernel's GB/s is 2x faster.
+
+    python3 scripts/bench_fp8_linear.py --rows 1 4 16 32 64 --out fp8_linear.json
+    python3 scripts/bench_fp8_linear.py --rows 1 4 --tiles chosen --block   # tile_config only, block scales too
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from bench_skinny_linear import SHAPES, time_per_call
+from tllm_spec.kernels.fp8_linear import FP8, fp8_linear, tile_config
+from tllm_spec.kernels.skinny_linear import skinny_linear
+
+GRID = [c for c in itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (3, 4, 6))
+        if c[0] * c[1] * c[3] <= 160 * 1024]  # BLOCK_N, BLOCK_K, warps, stages; FP8 weight tiles fit in smem
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--tiles", choices=["grid", "chosen"], default="grid")
+    p.add_argument("--block", action="store_true", help="also 128x128 block scales (fine-grained checkpoints)")
+    p.add_argument("--out", default="fp8_linear.json")
+    args = p.parse_args()
+    results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "shape": args.shape, "rows_data": []}
+    for (proj, n, k), rows in itertools.product(SHAPES[args.shape], args.rows):
+        if proj.endswith("lm_head"):
+            continue  # lm_heads stay bf16
+        copies = max(2, int(4 * 50e6 / (n * k)) + 1)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        row = {"proj": proj, "n": n, "k": k, "rows": rows,
+               "bf16_gbps": n * k * 2 / time_per_call(lambda w: skinny_linear(x, w), bf16) / 1e9}
+        weights = [w.to(FP8) for w in bf16]
+        del bf16
+        scales = torch.rand(n, device="cuda") * 1e-2
+        for block in (False, True) if args.block else (False,):
+            ws = torch.rand(n // 128, k // 128, device="cuda") * 1e-2 if block else scales
+            grid = [tile_config(n, k, rows, block)] if args.tiles == "chosen" else [
+                c for c in GRID if not block or c[1] == 128]
+            speeds = {}
+            for config in grid:
+                try:
+                    t = time_per_call(lambda w: fp8_linear(x, w, ws, block_scales=block, config=config), weights)
+                except Exception as exc:  # noqa: BLE001 (a tile a shape cannot take: out of shared memory)
+                    print(f"{proj} {rows} {config}: {type(exc).__name__}")
+                    continue
+                speeds[config] = n * k / t / 1e9
+            best = max(speeds, key=speeds.get)
+            key = "block" if block else "channel"
+            row[f"fp8_{key}_chosen"] = list(tile_config(n, k, rows, block))
+            row[f"fp8_{key}_chosen_gbps"] = speeds.get(tile_config(n, k, rows, block))
+            row[f"fp8_{key}_best"], row[f"fp8_{key}_best_gbps"] = list(best), speeds[best]
+        results["rows_data"].append(row)
+        print(json.dumps(row))
+        del weights
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
