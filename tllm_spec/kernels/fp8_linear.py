@@ -50,7 +50,7 @@ def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None = None
         if scale_ub is not None:
             amax = amax.clamp(max=scale_ub)
         scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    x_q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    x_q = (xf * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # a reciprocal: the kernels' roundings
     return x_q.view(rows, cols), scale.contiguous()
 
 
@@ -87,10 +87,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows: a weight row tile of 128-256 bytes per stage, as the bf16 kernel's 512-byte tiles hold half the values.
     Block scales fix BLOCK_K at the block's 128."""
-    block_k = GROUP if block_scales else 256
+    if block_scales:
+        return (32 if n <= 4096 else 64), GROUP, 4, 4
     if n <= 4096:
-        return 32, block_k, 4, 4
-    return 64, block_k, 4, 4
+        return 32, 512, 4, 3
+    return (64 if rows <= 16 else 128), 256, 4, 3
 
 
 def padded_rows(rows: int) -> int:
@@ -203,8 +204,8 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
                 x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-                x_scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1.0 / (448.0 * 512.0))
-                x_q = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                x_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1.0 / (448.0 * 512.0))
+                x_q = tl.clamp(x * tl.math.div_rn(1.0, x_scale)[:, None], -448.0, 448.0).to(tl.float8e4nv)
                 w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
                 w_scale = tl.load(ws_rows + k0 // BLOCK_K, mask=mask_n & (w_row < rows_n), other=0.0)
@@ -220,11 +221,12 @@ if triton is not None:
                     amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
                 if HAS_UB:
                     amax = tl.minimum(amax, scale_ub)
-                x_scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+                x_scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+            inv_scale = tl.math.div_rn(1.0, x_scale)[:, None]  # one division per row; the K loop multiplies
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
                 x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-                x_q = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                x_q = tl.clamp(x * inv_scale, -448.0, 448.0).to(tl.float8e4nv)
                 w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
                 acc = tl.dot(x_q, tl.trans(w), acc)
