@@ -6,6 +6,7 @@ import torch
 
 from tllm_spec import DraftTargetConfig, Eagle3Config, SAConfig, SamplingParams
 from tllm_spec.kernels.fp8_linear import FP8, FP8_MAX, MAX_ROWS, fp8_linear, fp8_linear_op, fp8_linear_ref
+from tllm_spec.kernels.fp8_quant import quantize_activation, quantize_activation_ref
 from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.spec_model import SpecModel
 
@@ -34,6 +35,19 @@ def _operands(rows: int, n: int, k: int, scales: str, seed: int, dtype=torch.bfl
     return x, weight, scale.float(), input_scale
 
 
+@pytest.mark.parametrize("mode", ["token", "bound", "static", "group"])
+@pytest.mark.parametrize("rows,k", [(1, 4096), (7, 14336), (64, 384), (3, 256), (200, 1024)])
+def test_quantization_kernel_matches_reference_bitwise(mode, rows, k):
+    x = torch.randn(rows, k, device="cuda").bfloat16() * torch.rand(rows, 1, device="cuda").bfloat16() * 8
+    x[0, :5] = 0.0
+    args = {"token": {}, "bound": {"scale_ub": 3.0}, "static": {"input_scale": torch.tensor([0.02], device="cuda")},
+            "group": {"group": 128}}[mode]
+    q, scale = quantize_activation(x, **args)
+    q_ref, scale_ref = quantize_activation_ref(x, **args)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("scales", ["channel", "tensor", "block"])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1024, 384), (640, 256)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 16, 17, 26, 33, 64, 65, 200])
@@ -46,7 +60,7 @@ def test_kernel_matches_reference(scales, n, k, rows):
         out = fp8_linear(x, w, ws, input_scale=xs, block_scales=block, **kwargs)
         ref = fp8_linear_ref(x, w, ws, input_scale=xs, block_scales=block, **kwargs)
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-        # both quantize x alike; they differ in the order of the fp32 sums and in bf16 roundings of the epilogue
+        # both quantize x to the same bits; they differ in the order of the fp32 sums and in bf16 roundings
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 

@@ -23,10 +23,10 @@ def test_dynamic_per_token_quantization_uses_each_rows_maximum():
     x = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0], [300.0, 1.0, -900.0, 2.0]])
     x_q, scale = quantize_activation(x)
     assert x_q.dtype == FP8 and scale.shape == (3, 1)
-    assert scale[0, 0] == 2.0 / FP8_MAX and scale[2, 0] == 900.0 / FP8_MAX
+    assert scale[0, 0] == torch.tensor(2.0) * (1 / FP8_MAX) and scale[2, 0] == torch.tensor(900.0) * (1 / FP8_MAX)
     assert x_q[0, 1].float() == -FP8_MAX and torch.equal(x_q[1].float(), torch.zeros(4))  # a zero row: zeros
     clamped_q, clamped = quantize_activation(x, scale_ub=400.0)
-    assert clamped[2, 0] == 400.0 / FP8_MAX and clamped_q[2, 2].float() == -FP8_MAX  # clipped to the bound
+    assert clamped[2, 0] == torch.tensor(400.0) * (1 / FP8_MAX) and clamped_q[2, 2].float() == -FP8_MAX  # clipped to the bound
 
 
 def test_group_and_static_quantization():

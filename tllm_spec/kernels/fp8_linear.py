@@ -1,18 +1,17 @@
 """``y = x @ dequant(weight).T (+ bias)`` with FP8 (E4M3) weights and activations: the GEMM of every FP8 linear.
 
 The weight is stored FP8 with fp32 scales, per output channel ([N]) or per 128 x 128 block ([N/128, K/128],
-fine-grained checkpoints). The activation is quantized on the fly, as the checkpoint's scheme says: per token
-(a row's absolute maximum / 448, optionally clamped to ``scale_ub`` first), per token and 128-wide group of K (block
-scales), or with one static scale (``input_scale``). The product is FP8 x FP8 with fp32 accumulation, scaled in the
-epilogue (per K block inside the loop for block scales), rounded to x's dtype.
+fine-grained checkpoints). The activation is quantized first, as the checkpoint's scheme says (:mod:`.fp8_quant`:
+per token, optionally clamped to ``scale_ub``; per token and 128 columns for block scales; or one static
+``input_scale``). The product is FP8 x FP8 with fp32 accumulation, scaled in the epilogue (per K block inside the
+loop for block scales), rounded to x's dtype.
 
 Few rows (M <= ``MAX_ROWS``, a decoding step's) run :func:`_fp8_linear_kernel`: a weight-streaming GEMM like
-:mod:`.skinny_linear`, whose prologue quantizes the activation (each program reads the few rows' maxima itself,
-from L2: no quantization kernel, no launch between the norm and the GEMM) and whose epilogue holds the SwiGLU
-product of a fused gate/up projection or a residual add, as the bf16 kernel does. More rows (prompt chunks, large
-batches) with channel scales are ``torch._scaled_mm`` (cuBLASLt, row-wise scales) after a torch quantization;
-with block scales the same Triton kernel over tiles of 64 rows. :func:`fp8_linear_ref` is the CPU path and the
-oracle: it dequantizes both operands to fp32 and multiplies, so a CPU model is the checkpoint's maths exactly.
+:mod:`.skinny_linear` over the quantized rows, whose epilogue holds the SwiGLU product of a fused gate/up projection
+or a residual add, as the bf16 kernel does. More rows (prompt chunks, large batches) with channel scales are
+``torch._scaled_mm`` (cuBLASLt, row-wise scales); with block scales the same Triton kernel over tiles of 32 rows.
+:func:`fp8_linear_ref` is the CPU path and the oracle: it quantizes the activation as the kernels do, dequantizes
+both operands to fp32 and multiplies, so a CPU model is the checkpoint's maths exactly.
 """
 from __future__ import annotations
 
@@ -21,7 +20,11 @@ import torch.nn.functional as F
 
 from .. import kernels
 from . import dependent_launch
+from .fp8_quant import FP8, FP8_MAX, GROUP, quantize_activation, quantize_activation_ref
 from .silu_mul import silu_mul_ref
+
+__all__ = ["FP8", "FP8_MAX", "GROUP", "MAX_ROWS", "dequantize_weight", "fp8_linear", "fp8_linear_op", "fp8_linear_ref",
+           "quantize_activation", "quantize_activation_ref"]
 
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
@@ -29,29 +32,7 @@ try:  # triton is a GPU extra: the package imports and runs without it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row quantizes to zeros, not to 0 / 0
-GROUP = 128  # the K width of an activation group and of a weight block (fine-grained FP8)
 MAX_ROWS = 64  # up to here the Triton kernel streams the weight; above, cuBLASLt
-
-
-def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None = None, group: int = 0,
-                        scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_q FP8 [M, K], scales fp32 [M, G]) with x ~= x_q * scales (each scale over K / G columns):
-    ``input_scale`` (a one-element tensor): that scale for every row (G = 1); else dynamic: per row (``group`` 0,
-    G = 1, the row maximum clamped to ``scale_ub`` when given) or per row and ``group`` columns (G = K / group)."""
-    rows, cols = x.shape
-    xf = x.float().view(rows, -1, group or cols)
-    if input_scale is not None:
-        scale = input_scale.float().reshape(1, 1).expand(rows, xf.shape[1])
-    else:
-        amax = xf.abs().amax(dim=-1)
-        if scale_ub is not None:
-            amax = amax.clamp(max=scale_ub)
-        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    x_q = (xf * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # a reciprocal: the kernels' roundings
-    return x_q.view(rows, cols), scale.contiguous()
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None
@@ -74,7 +55,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     ``input_scale``: a static activation scale; bias [N] -> y [M, N] in x's dtype (``gated``: silu(y[:, :N/2]) *
     y[:, N/2:] [M, N/2]; ``residual``: plus it, rounded as eager torch's ``residual + y``)."""
     group = GROUP if block_scales else 0
-    x_q, x_scale = quantize_activation(x, input_scale, group, scale_ub)
+    x_q, x_scale = quantize_activation_ref(x, input_scale, group, scale_ub)
     rows, cols = x.shape
     x_dq = (x_q.float().view(rows, x_scale.shape[1], -1) * x_scale[..., None]).view(rows, cols)
     w_dq = dequantize_weight(weight, weight_scale, (GROUP, GROUP) if block_scales else None)
@@ -85,13 +66,15 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows: a weight row tile of 128-256 bytes per stage, as the bf16 kernel's 512-byte tiles hold half the values.
-    Block scales fix BLOCK_K at the block's 128."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows, from
+    ``scripts/bench_fp8_linear.py`` on an H100 (Llama-3.1-8B shapes): few output features (o, down) want long K
+    tiles (1 KB of each weight row per stage; 512 B with a 32-row tile, whose activation tile is as large), many
+    (qkv, gate/up) 512 B. Block scales fix BLOCK_K at the block's 128."""
     if block_scales:
         return (32 if n <= 4096 else 64), GROUP, 4, 4
     if n <= 4096:
-        return 32, 512, 4, 3
-    return (64 if rows <= 16 else 128), 256, 4, 3
+        return 32, (1024 if rows <= 16 else 512), 4, 3
+    return 64, 512, 4, 3
 
 
 def padded_rows(rows: int) -> int:
@@ -122,17 +105,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual)
     n, k = weight.shape
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
+    x_q, x_scale = quantize_activation(x, input_scale, GROUP if block_scales else 0, scale_ub)
     tile_rows = padded_rows(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch.launches_dependent(x)
     grid = (triton.cdiv(rows, tile_rows), triton.cdiv(out.shape[1], block_n // 2 if gated else block_n))
     _fp8_linear_kernel[grid](
-        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, residual if residual is not None else out, out, rows,
-        out.shape[1], k, x.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        weight_scale.stride(0) if block_scales else 0, float(scale_ub or 0.0),
-        HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None,
-        STATIC_INPUT=input_scale is not None, HAS_UB=scale_ub is not None, BLOCK_SCALES=block_scales,
+        x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale,
+        residual if residual is not None else out, out, rows, out.shape[1], k, x_scale.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0), weight_scale.stride(0) if block_scales else 0,
+        HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, BLOCK_SCALES=block_scales,
         ROWS=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **dependent_launch.launch_options(pdl))
     return out
@@ -170,16 +152,15 @@ if triton is not None:
     from .dependent_launch import wait_and_release
 
     @triton.jit
-    def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                           stride_rm, stride_ws, scale_ub, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                           HAS_RESIDUAL: tl.constexpr, STATIC_INPUT: tl.constexpr, HAS_UB: tl.constexpr,
-                           BLOCK_SCALES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _fp8_linear_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xs, stride_ym,
+                           stride_rm, stride_ws, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                           HAS_RESIDUAL: tl.constexpr, BLOCK_SCALES: tl.constexpr, ROWS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One program: output features [pid_n * BLOCK_N, +BLOCK_N) (GATED: gate row f and up row N + f
         interleaved, as in the bf16 kernel) of rows [pid_m * ROWS, +ROWS), the whole of K (axis 0 of the grid is
-        the row tile: the programs of one weight tile run next to each other). The activation is
-        quantized per row (its maximum read in a first pass over the row) or per row and 128-wide group (each K
-        tile its own scale, BLOCK_K = 128: the weight block's scale applied to the tile's partial product)."""
+        the row tile: the programs of one weight tile run next to each other). q: the FP8 rows [M, K], xs their
+        scales [M, 1] or [M, K / 128] (BLOCK_SCALES, BLOCK_K = 128: each K tile's partial product scaled by its
+        activation group's and weight block's scales)."""
         pid_n = tl.program_id(1)
         offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
@@ -188,13 +169,11 @@ if triton is not None:
             pair = pid_n * (BLOCK_N // 2) + cols // 2
             w_row = pair + (cols % 2) * N
             mask_n = pair < N
-            rows_n = 2 * N
         else:
             w_row = pid_n * BLOCK_N + cols
             mask_n = w_row < N
-            rows_n = N
         mask_m = offs_m < M
-        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        q_rows = q_ptr + offs_m[:, None].to(tl.int64) * K
         w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
         if PDL:
             wait_and_release()
@@ -203,33 +182,20 @@ if triton is not None:
             ws_rows = ws_ptr + (w_row // BLOCK_K) * stride_ws
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-                x_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1.0 / (448.0 * 512.0))
-                x_q = tl.clamp(x * tl.math.div_rn(1.0, x_scale)[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                x = tl.load(q_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
                 w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
-                w_scale = tl.load(ws_rows + k0 // BLOCK_K, mask=mask_n & (w_row < rows_n), other=0.0)
-                acc += tl.dot(x_q, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
+                x_scale = tl.load(xs_ptr + offs_m * stride_xs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+                w_scale = tl.load(ws_rows + k0 // BLOCK_K, mask=mask_n, other=0.0)
+                acc += tl.dot(x, tl.trans(w)) * x_scale[:, None] * w_scale[None, :]
         else:
-            if STATIC_INPUT:
-                x_scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
-            else:
-                amax = tl.zeros((ROWS,), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + offs_k
-                    x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
-                    amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-                if HAS_UB:
-                    amax = tl.minimum(amax, scale_ub)
-                x_scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
-            inv_scale = tl.math.div_rn(1.0, x_scale)[:, None]  # one division per row; the K loop multiplies
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + offs_k
-                x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
-                x_q = tl.clamp(x * inv_scale, -448.0, 448.0).to(tl.float8e4nv)
+                x = tl.load(q_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
                 w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :], other=0.0,
                             eviction_policy="evict_first")
-                acc = tl.dot(x_q, tl.trans(w), acc)
+                acc = tl.dot(x, tl.trans(w), acc)
+            x_scale = tl.load(xs_ptr + offs_m * stride_xs, mask=mask_m, other=0.0)
             w_scale = tl.load(ws_ptr + w_row, mask=mask_n, other=0.0)
             acc = acc * x_scale[:, None] * w_scale[None, :]
         if HAS_BIAS:
