@@ -101,8 +101,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if not supports(x, weight, block_scales):
         return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
     rows = x.shape[0]
-    if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(x, weight) and \
-            not torch.cuda.is_current_stream_capturing():  # graphed steps keep the Triton kernel (see _cublas)
+    if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(x, weight):
         return _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual)
     n, k = weight.shape
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
@@ -127,9 +126,8 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual) -> torch.Tensor:
-    """Many rows, channel scales, outside CUDA graphs (eager prompt steps): the quantization kernel, then cuBLASLt
-    with row-wise scales (fp32 [M, 1] x [1, N]). A graphed verify step of 64 requests (256 rows) that replayed
-    this crashed an H100 with an illegal memory access (torch 2.11), so graphs capture the Triton kernel instead."""
+    """Many rows, channel scales: the quantization kernel, then cuBLASLt with row-wise scales (fp32 [M, 1] x
+    [1, N])."""
     x_q, x_scale = quantize_activation(x, input_scale, 0, scale_ub)
     y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float().reshape(1, -1),
                          bias=bias, out_dtype=x.dtype)
