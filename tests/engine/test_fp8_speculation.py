@@ -1,7 +1,14 @@
 """Speculation over an FP8 target stays lossless: on the demo target quantized at load (``quantization="fp8"``), the
-EAGLE-3 head, the MTP module and suffix drafting each decode greedily exactly what the FP8 target decodes alone, and
-accept drafts. ``draft_quantization="fp8"`` quantizes the draft's own layers (an EAGLE-3 head's fc and midlayer, an
-MTP module's projections; not the lm_head) and changes nothing of the output; without a draft it is refused."""
+EAGLE-3 head, the MTP module and suffix drafting each emit exactly the tokens the target picks in the rows that
+verify them, and decode greedily what the FP8 target decodes alone, up to FP8 rounding; they accept drafts.
+``draft_quantization="fp8"`` quantizes the draft's own layers (an EAGLE-3 head's fc and midlayer, an MTP module's
+projections; not the lm_head) and changes nothing of that; without a draft it is refused.
+
+Why "up to FP8 rounding": a step of K + 1 rows and a step of one row round their float sums differently (1e-6; the
+CPU's GEMM picks its kernel by row count), which flips an activation's FP8 rounding now and then, and a flipped
+rounding moves the next layers' activations across further boundaries: the FP8 target's logprobs then differ by up to
+~0.2 nats between the two runs (its plain greedy output even changes with max_batch_size). So the outputs agree
+token for token until a position where the FP8 target's two best tokens lie within that noise of each other."""
 from __future__ import annotations
 
 from functools import cache
@@ -9,7 +16,7 @@ from functools import cache
 import pytest
 from torch import nn
 
-from tllm_spec import Eagle3Config, MTPConfig, SAConfig, SamplingParams, SpecModel
+from tllm_spec import Eagle3Config, GenerationOutputs, MTPConfig, SAConfig, SamplingParams, SpecModel
 from tllm_spec.model.quant.linear import Fp8Linear
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
@@ -24,17 +31,30 @@ def demo(spec: str | None, draft_quantization: str | None = None) -> SpecModel:
                                      quantization="fp8", draft_quantization=draft_quantization, max_batch_size=3)
 
 
+FP8_NOISE = 0.5  # nats: twice the largest logprob difference seen between the two runs (0.225, 8 prompts x 48)
+
+
 @cache
-def fp8_greedy() -> tuple[list[int], ...]:
-    """The FP8 demo target's own greedy continuations of PROMPTS."""
+def fp8_plain() -> GenerationOutputs:
+    """The FP8 demo target's own greedy continuations of PROMPTS, with each token's logprob and the best two."""
     with demo(None) as model:
         assert isinstance(model.target.hf.model.layers[0].mlp.down_proj, Fp8Linear)
-        return tuple(out.token_ids for out in model.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW)))
+        return model.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, logprobs=2))
 
 
 def check_lossless(model: SpecModel) -> None:
-    outs = model.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
-    assert tuple(out.token_ids for out in outs) == fp8_greedy()
+    outs = model.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, logprobs=2))
+    agreed = 0
+    for out, plain in zip(outs, fp8_plain(), strict=True):
+        # accept while draft == target: every emitted token is the argmax of the row that verified it
+        assert all(token == max(top, key=top.get) for token, top in zip(out.token_ids, out.top_logprobs))
+        n = next((i for i, (a, b) in enumerate(zip(out.token_ids, plain.token_ids)) if a != b), MAX_NEW)
+        assert max((abs(a - b) for a, b in zip(out.logprobs[:n], plain.logprobs[:n])), default=0.0) < FP8_NOISE
+        if n < MAX_NEW:  # the first difference: where the FP8 target alone hesitates between two tokens
+            best, second = sorted(plain.top_logprobs[n].values(), reverse=True)
+            assert best - second < FP8_NOISE, (n, plain.top_logprobs[n])
+        agreed += n
+    assert agreed >= len(PROMPTS) * MAX_NEW / 2
     assert sum(outs.stats["histogram"][1:]) > 0  # some step accepted a draft
 
 
