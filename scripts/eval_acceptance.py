@@ -8,6 +8,7 @@ T = 1, and tokens/s with vs without speculation.
     python scripts/eval_acceptance.py --workloads edit --draft-model none --sa-k 4 --sa-spec-threshold 0
     python scripts/eval_acceptance.py --target /models/llama --eagle3 /heads/e3 --mtp none \
         --prompts-from heldout.json --device cuda --out runs/eval
+    python scripts/eval_acceptance.py --quantization fp8        # the demo target in FP8, its drafts as they are
 
 Writes OUT/acceptance.json (the first-line workload at its top level, every workload under "workloads"),
 OUT/acceptance.md (a summary table, then one table per workload) and OUT/acceptance.png (if matplotlib is installed).
@@ -58,6 +59,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions (best kept)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["fp8"], help="the target's linear layers quantized to FP8 at load, "
+                   "for plain decoding and every method (the drafts keep their precision)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--out", default="runs/eval")
     args = p.parse_args()
@@ -71,7 +74,8 @@ def main() -> None:
                                args.prompt_tokens, args.edit_max_chars)
     result = evaluate_workloads(args.target, heads, prompts, args.max_new_tokens,
                                 temperatures=tuple(args.temperatures), device=args.device, dtype=args.dtype,
-                                speed_prompts=args.speed_prompts, repeats=args.repeats)
+                                speed_prompts=args.speed_prompts, repeats=args.repeats,
+                                quantization=args.quantization)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(result, indent=2))

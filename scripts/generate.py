@@ -51,7 +51,8 @@ FLAGS = {"target_model": "--target", "spec_config.speculative_model": "--draft",
          "spec_config.max_draft_len": "-k/--max-draft-len", "spec_config.sa_spec_threshold": "--sa-spec-threshold", "sampling.max_new_tokens": "--max-new-tokens",
          "sampling.temperature": "--temperature", "sampling.top_k": "--top-k", "sampling.top_p": "--top-p",
          "engine.max_batch_size": "--batch-size", "engine.tensor_parallel_size": "--tensor-parallel-size",
-         "dtype": "--dtype", "device": "--device"}
+         "dtype": "--dtype", "device": "--device", "quantization": "--quantization",
+         "draft_quantization": "--draft-quantization"}
 # what bad input raises while a run file is read or a model loads (pydantic's ValidationError is a ValueError)
 USER_ERRORS = (ValueError, OSError, NotImplementedError, yaml.YAMLError)
 Prompt = str | list[int]  # text, or token ids (no tokenizer needed)
@@ -115,6 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "--nproc-per-node N; gloo on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["fp8"], help="the target's linear layers quantized to FP8 at load (an "
+                   "FP8 checkpoint loads as FP8 without it)")
+    p.add_argument("--draft-quantization", choices=["fp8"], help="the draft's own linear layers in FP8 too")
     p.add_argument("--device")
     p.add_argument("--json", help="write outputs and stats here")
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (small models decode fastest on "
@@ -185,7 +189,13 @@ def apply_flags(cfg: dict, args: argparse.Namespace) -> None:
     cfg["spec_config"] = spec_from_flags(cfg["spec_config"], args)
     cfg["target_model"] = args.target or cfg["target_model"]
     cfg["dtype"] = args.dtype or cfg["dtype"]
+    cfg["quantization"] = args.quantization or cfg["quantization"]
+    cfg["draft_quantization"] = args.draft_quantization or cfg["draft_quantization"]
     cfg["device"] = args.device or cfg["device"]
+    spec = cfg["spec_config"]
+    if cfg["draft_quantization"] and (spec is None or spec["decoding_type"] == "sa"):
+        fail("--draft-quantization" if args.draft_quantization else "draft_quantization", "it quantizes a draft "
+             "network, and this run has none (suffix drafting has none): add --draft, --mtp or --draft-model")
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:

@@ -172,6 +172,13 @@ def test_sa_and_a_draft_lm_are_lossless(generate_script, tiny_target, tmp_path):
         assert data["config"]["spec_config"].get("use_sa_spec", "--sa-spec" in flags) == ("--sa-spec" in flags)
 
 
+def test_quantization_flags_load_fp8_and_the_baseline_runs_the_fp8_target(generate_script, tiny_target, tmp_path):
+    data = run_cli(generate_script, tmp_path, "--target", str(tiny_target), "--draft",
+                   str(tiny_target.parent / "head"), "--quantization", "fp8", "--draft-quantization", "fp8")
+    assert (data["config"]["quantization"], data["config"]["draft_quantization"]) == ("fp8", "fp8")
+    assert data["baseline_stats"]["num_tokens"] > 0  # the plain FP8 target, without a draft to quantize
+
+
 def test_the_edit_workload_quotes_functions_for_sa(generate_script, tmp_path):
     data = run_cli(generate_script, tmp_path, "--sa", "--workload", "edit", "--num-prompts", "2", prompt=None)
     assert len(data["outputs"]) == 2 and all("def " in o["prompt"] for o in data["outputs"])
@@ -202,6 +209,9 @@ def test_mtp_with_draft_is_refused(generate_script, tiny_target, capsys):
     (["--draft-model", "{tmp}/missing"], "--draft-model: "),
     (["--config", "{tmp}/bad.yaml"], "--config: "),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file: "),
+    (["--quantization", "int4"], "--quantization: "),
+    (["--no-spec", "--draft-quantization", "fp8"], "--draft-quantization: "),
+    (["--sa", "--draft-quantization", "fp8"], "--draft-quantization: "),
 ])
 def test_usage_and_config_errors_are_one_line_and_status_2(generate_script, tmp_path, capsys, args, where):
     (tmp_path / "bad.yaml").write_text("sampling:\n  temperature: -1\n")

@@ -11,6 +11,7 @@ import torch
 
 from tllm_spec import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
 from tllm_spec.demo import ASSETS as DEMO_DIR
+from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.serve.cli import build_parser, checked_configs, engine_config_of, load_model, main, spec_config_of
 
 
@@ -121,7 +122,9 @@ def test_a_cuda_device_on_a_cpu_only_torch(device, busy_port, capsys):
     (["-k", "0"], "-k/--max-draft-len"), (["--mtp", "--max-draft-len", "17"], "-k/--max-draft-len"),
     (["--spec-config", '{"max_draft_len": 0}'], "--spec-config"), (["--max-batch-size", "0"], "--max-batch-size"),
     (["--max-queue", "0"], "--max-queue"), (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
-    (["--max-seq-len", "100000"], "--max-seq-len"), (["--max-seq-len", "2049"], "--max-seq-len")])
+    (["--max-seq-len", "100000"], "--max-seq-len"), (["--max-seq-len", "2049"], "--max-seq-len"),
+    (["--quantization", "int4"], "--quantization"), (["--sa", "--draft-quantization", "fp8"], "--draft-quantization"),
+    (["--no-spec", "--draft-quantization", "fp8"], "--draft-quantization")])
 def test_a_bad_flag_is_named_before_the_model_loads(argv, flag, busy_port, capsys):
     lines = _stderr_of_refused(capsys, ["serve", "--device", "cpu", "--port", busy_port, *argv])
     assert len(lines) == 1, lines  # nothing loaded: no progress bar above the error
@@ -149,6 +152,17 @@ def test_an_eagle3_head_given_as_the_target_is_refused(capsys):
     line = _stderr_of_refused(capsys, load=[str(DEMO_DIR / "eagle3"), "--device", "cpu"])[-1]
     assert line.startswith("tllm-spec: error: --target: ") and "lacks 10 of" in line and "randomly initialised" in line
     assert "EAGLE-3 head" in line
+
+
+def test_quantization_flags_load_the_target_and_the_draft_in_fp8():
+    args = build_parser().parse_args(["serve", "--quantization", "fp8", "--draft-quantization", "fp8", "--device",
+                                      "cpu", "--max-batch-size", "1"])
+    with load_model(args, *checked_configs(args)) as model:
+        assert isinstance(model.target.hf.model.layers[0].self_attn.o_proj, Fp8Linear)
+        assert isinstance(model.worker.draft_model.fc, Fp8Linear)
+        assert type(model.target.lm_head) is type(model.worker.draft_model.lm_head) is torch.nn.Linear
+    args = build_parser().parse_args(["serve", "--device", "cpu"])
+    assert (args.quantization, args.draft_quantization) == (None, None)
 
 
 def test_prefix_caching_is_on_whatever_the_device_unless_turned_off():

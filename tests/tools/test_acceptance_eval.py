@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tllm_spec.config import DraftTargetConfig, Eagle3Config, MTPConfig, SAConfig
+from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.tokenizer import load_tokenizer
+from tllm_spec.tools import acceptance_eval
 from tllm_spec.tools.acceptance_eval import (
     evaluate,
     format_table,
@@ -18,6 +20,7 @@ from tllm_spec.tools.acceptance_eval import (
     ratio_standard_error,
 )
 
+from ..models import tiny_pair
 from ..training.helpers import corpus, tiny_target, trained
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "eval_acceptance.py"
@@ -65,6 +68,21 @@ def test_every_method_is_named_with_its_config():
     assert list(head_configs(None, None, 3, sa_k=4, sa_spec_threshold=4)) == ["sa"]
 
 
+def test_evaluate_on_an_fp8_target_loads_every_model_quantized(monkeypatch):
+    loaded, load = [], acceptance_eval.load
+
+    def recording(*args):
+        model = load(*args)
+        loaded.append(isinstance(model.target.hf.model.layers[0].mlp.down_proj, Fp8Linear))
+        return model
+    monkeypatch.setattr(acceptance_eval, "load", recording)
+    prompts = [[5, 17, 3, 44, 9, 2, 5, 17, 3], [12, 8, 40, 41, 12, 8, 40]]
+    result = evaluate(str(tiny_pair("llama")[0]), {"sa": SAConfig(max_draft_len=4)}, prompts, max_new_tokens=8,
+                      temperatures=(0.0,), speed_prompts=0, progress=False, quantization="fp8")
+    assert loaded == [True, True] and result["quantization"] == "fp8"
+    assert result["heads"]["sa"]["T=0"]["num_tokens"] == 16
+
+
 @pytest.mark.slow  # ten seconds or more on the 2-core CI machine
 def test_evaluate_reports_every_head_and_temperature():
     heads = head_configs(str(trained("eagle3").out), str(trained("mtp").out), k=3)
@@ -95,10 +113,12 @@ def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
         "eval_acceptance.py", "--target", str(tiny_target()), "--eagle3", str(trained("eagle3").out), "--mtp", "none",
         "--draft-model", str(tiny_target()), "--sa-k", "4", "--sa-spec-threshold", "2", "--edit-max-chars", "400",
         "--prompts-from", str(heldout_json(tmp_path / "heldout.json")), "--num-prompts", "2", "--prompt-tokens", "16",
-        "--max-new-tokens", "6", "--speed-prompts", "1", "--repeats", "1", "--temperatures", "0", "--out", str(out)])
+        "--max-new-tokens", "6", "--speed-prompts", "1", "--repeats", "1", "--temperatures", "0", "--out", str(out),
+        "--quantization", "fp8"])
     script.main()
     result = json.loads((out / "acceptance.json").read_text())
     assert result["num_prompts"] == 2 and result["prompt_tokens"] == 16  # the first-line workload's, as before
+    assert result["quantization"] == "fp8"
     assert list(result["heads"]) == ["eagle3", "draft_target", "sa", "eagle3+sa"]
     assert list(result["workloads"]) == ["first-line", "edit"] and result["workloads"]["first-line"] == {
         key: value for key, value in result.items() if key != "workloads"}

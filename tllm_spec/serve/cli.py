@@ -7,6 +7,7 @@
     tllm-spec serve --draft-model demo://draft        # the demo target with its draft LM
     tllm-spec serve /models/llama --sa -k 8           # drafts copied from each request's own text
     tllm-spec serve --sa-spec                         # the demo's EAGLE-3 head, SA where the text repeats
+    tllm-spec serve /models/llama --quantization fp8  # its linear layers in FP8 (an FP8 checkpoint needs no flag)
     tllm-spec serve --spec-config '{"use_dynamic_tree": true, "dynamic_tree_max_topK": 3,
                                     "max_total_draft_tokens": 25, "max_draft_len": 8}'   # a draft tree
 
@@ -128,6 +129,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "requests 503 and gives those in flight this many seconds to finish, then aborts them (a stream "
                    "ends with an error event, code 'aborted', and [DONE]) and exits 0 (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["fp8"], help="quantize a 16-bit target's linear layers to FP8 at load "
+                   "(per channel, dynamic per-token activations; the lm_head stays); an FP8 checkpoint loads as FP8 "
+                   "without it")
+    p.add_argument("--draft-quantization", choices=["fp8"], help="the draft network's own linear layers in FP8 too "
+                   "(an EAGLE-3 head, MTP modules or a draft LM; needs a draft)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=serve)
@@ -141,13 +147,15 @@ def spec_config_of(args: argparse.Namespace) -> SpecConfig | None:
     fields = {"max_draft_len": 3, **k, **args.spec_config}  # --spec-config's fields win over -k's
     if args.no_spec or not (args.mtp or args.draft or args.draft_model or args.sa or demo):
         for flag, given in (("--spec-config", args.spec_config), ("-k/--max-draft-len", args.max_draft_len),
-                            ("--sa-spec", args.sa_spec or None)):
+                            ("--sa-spec", args.sa_spec or None), ("--draft-quantization", args.draft_quantization)):
             if given not in (None, {}):
                 raise ValueError(f"{flag}: it configures a draft, and this run has none (give --draft or --mtp)")
         return None
     if args.sa_spec and (args.draft_model or args.sa):
         raise ValueError("--sa-spec: it enhances an EAGLE-3 head or MTP modules; --sa alone drafts from the "
                          "automaton, a draft LM takes no enhancer")
+    if args.sa and args.draft_quantization:
+        raise ValueError("--draft-quantization: suffix drafting (--sa) has no draft network to quantize")
     if args.draft_model:
         return DraftTargetConfig(**{"speculative_model": args.draft_model, **fields})
     if args.sa:
@@ -206,7 +214,8 @@ def load_model(args: argparse.Namespace, spec_config: SpecConfig | None,
 
     try:
         return SpecModel.from_pretrained(args.target or DEMO_TARGET, spec_config, dtype=args.dtype,
-                                         device=args.device, engine_config=engine_config)
+                                         device=args.device, engine_config=engine_config,
+                                         quantization=args.quantization, draft_quantization=args.draft_quantization)
     except USER_ERRORS as err:
         fail(load_error(err, args))
 

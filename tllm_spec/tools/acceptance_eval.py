@@ -112,9 +112,10 @@ def head_configs(eagle3: str | None, mtp: str | None, k: int, tree: list[list[in
     return heads
 
 
-def load(target: str, spec: SpecConfig, device: str, dtype: str | None, max_seq_len: int) -> SpecModel:
-    return SpecModel.from_pretrained(target, spec, dtype=dtype, device=device, max_batch_size=1,
-                                     max_seq_len=max_seq_len)
+def load(target: str, spec: SpecConfig, device: str, dtype: str | None, max_seq_len: int,
+         quantization: str | None = None) -> SpecModel:
+    return SpecModel.from_pretrained(target, spec, dtype=dtype, device=device, quantization=quantization,
+                                     max_batch_size=1, max_seq_len=max_seq_len)
 
 
 def acceptance(model: SpecModel, prompts: list[list[int]], max_new_tokens: int, temperature: float,
@@ -176,14 +177,17 @@ def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_t
 
 def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]], max_new_tokens: int,
              temperatures: tuple[float, ...] = (0.0, 1.0), device: str = "cpu", dtype: str | None = None,
-             speed_prompts: int = 4, repeats: int = 2, progress: bool = True, label: str = "") -> dict[str, object]:
+             speed_prompts: int = 4, repeats: int = 2, progress: bool = True, label: str = "",
+             quantization: str | None = None) -> dict[str, object]:
     """Acceptance per method and temperature, then the speed comparison; one JSON-ready dict. At T = 0 each
     method's outputs are compared with plain greedy decoding's (``prompts_matching_plain``). ``prompt_tokens``:
-    the prompts' mean length (their common one for equal prompts). The models are closed on return."""
+    the prompts' mean length (their common one for equal prompts). ``quantization="fp8"``: the target (plain and
+    under every method) quantized at load; the drafts keep their precision. The models are closed on return."""
     max_seq_len = max(len(p) for p in prompts) + max_new_tokens + 16
-    models = {"plain": load(target, None, device, dtype, max_seq_len)}
-    models |= {name: load(target, spec, device, dtype, max_seq_len) for name, spec in heads.items()}
-    result: dict[str, object] = {"target": target, "device": device, "num_prompts": len(prompts),
+    models = {"plain": load(target, None, device, dtype, max_seq_len, quantization)}
+    models |= {name: load(target, spec, device, dtype, max_seq_len, quantization) for name, spec in heads.items()}
+    result: dict[str, object] = {"target": target, "device": device, "quantization": quantization,
+                                 "num_prompts": len(prompts),
                                  "prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
                                  "max_new_tokens": max_new_tokens, "heads": {}, "threads": torch.get_num_threads()}
     plain_ids = [o.token_ids for o in generate(models["plain"], prompts, max_new_tokens)] if 0.0 in temperatures \

@@ -41,7 +41,7 @@ def compare(cfg: RunConfig, prompts: Sequence[str | list[int]], seed: int = 0, p
         raise ValueError("compare() needs a speculative run config (spec_config is None)")
     spec = timed_generate(SpecModel.from_run_config(cfg), prompts, cfg.sampling, seed, progress)
     _release()
-    plain_cfg = cfg.model_copy(update={"spec_config": None})
+    plain_cfg = cfg.model_copy(update={"spec_config": None, "draft_quantization": None})  # no draft to quantize
     plain = timed_generate(SpecModel.from_run_config(plain_cfg), prompts, cfg.sampling, seed, progress)
     _release()
     same = all(a.token_ids == b.token_ids for a, b in zip(spec, plain))
