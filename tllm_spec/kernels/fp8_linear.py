@@ -151,6 +151,7 @@ def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale
 
 if triton is not None:
     from .dependent_launch import wait_and_release
+    from .skinny_linear import store_rows, swiglu_pairs
 
     @triton.jit
     def _fp8_linear_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xs, stride_ym,
@@ -203,14 +204,9 @@ if triton is not None:
             acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         dtype = y_ptr.dtype.element_ty
         if GATED:
-            gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (ROWS, BLOCK_N // 2, 2)))
-            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            y = swiglu_pairs(acc, dtype, ROWS, BLOCK_N)
             offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         else:
             y = acc.to(dtype)
             offs_n = w_row
-        mask_y = mask_m[:, None] & (offs_n < N)[None, :]
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_y)
+        store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)

@@ -191,8 +191,7 @@ if triton is not None:
             acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         dtype = y_ptr.dtype.element_ty
         if GATED:
-            gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (ROWS, BLOCK_N // 2, 2)))
-            y = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            y = swiglu_pairs(acc, dtype, ROWS, BLOCK_N)
             offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         else:
             y = acc.to(dtype)
@@ -202,10 +201,23 @@ if triton is not None:
                     y = _rotate_pairs(y, cos_ptr, sin_ptr, stride_cm, stride_sm, offs_m, mask_m,
                                       pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), HALF_HEAD, ROWS,
                                       BLOCK_N)
+        store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)
+
+    @triton.jit
+    def swiglu_pairs(acc, dtype, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """acc [ROWS, BLOCK_N] of gate, up, gate, up, ... columns -> silu(gate) * up [ROWS, BLOCK_N / 2] in
+        ``dtype``, each step rounded as eager torch rounds it."""
+        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (ROWS, BLOCK_N // 2, 2)))
+        return ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+
+    @triton.jit
+    def store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL: tl.constexpr):
+        """Store y [rows, cols] at (offs_m, offs_n) of y_ptr (columns below N), plus the residual's same entries
+        first when HAS_RESIDUAL (rounded again, as eager torch's ``residual + y``)."""
         mask_y = mask_m[:, None] & (offs_n < N)[None, :]
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=mask_y)
 
     @triton.jit
