@@ -75,9 +75,9 @@ class AsyncEngine:
             raise ValueError(error)
         outputs: asyncio.Queue[StreamOutput] = asyncio.Queue()
         mailbox = self._mailbox(asyncio.get_running_loop())
+        settle_announcement()  # before the engine can take it: it never counts a request both on its way and queued
         request_id = self.loop.submit(ids, as_params(params if params is not None else SamplingParams()),
                                       lambda out: mailbox.put(outputs, out), request_id)
-        settle_announcement()
         finished = False
         try:
             while not finished:
