@@ -118,6 +118,8 @@ def rewrite_shard(path, edit) -> None:
      ValueError, rf"model\.layers\.{L}\.mlp\.experts\.(gate_up|down)_proj: unexpected tensor"),
     (lambda t: t.update({f"model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(4, 64)}),
      NotImplementedError, r"kv_a_proj_with_mqa\.weight: MLA attention MTP blocks .* \(a later issue\)"),
+    (lambda t: t.update({f"model.layers.{L}.eh_proj.weight": torch.zeros(64, 128).to(torch.float8_e4m3fn)}),
+     NotImplementedError, rf"model\.layers\.{L}\.eh_proj\.weight: MTP modules stored in FP8 are not supported"),
     (lambda t: t.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}), ValueError,
      r"model\.layers\.3\.eh_proj\.weight: an MTP tensor inside the target's 8 decoder layers"),
     (lambda t: t.update({"mtp.fc.weight": torch.zeros(64, 128)}), ValueError, r"several layouts"),

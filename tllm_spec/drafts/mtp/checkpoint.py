@@ -100,6 +100,10 @@ def load_mtp_checkpoint(path: str | Path, num_target_layers: int, num_modules: i
                 wanted[name] = (owner, key)
     _refuse_mla(wanted)
     tensors = _read(files, list(wanted))
+    fp8 = [name for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    if fp8:  # their scales would be dropped: a wrong draft, never loaded as one
+        raise NotImplementedError(f"{fp8[0]}: MTP modules stored in FP8 are not supported yet ({len(fp8)} FP8 "
+                                  f"tensors in {root}); give a 16-bit mtp_checkpoint")
     modules: list[dict[str, torch.Tensor]] = [{} for _ in range(num_modules)]
     for name, (owner, key) in wanted.items():
         for i in range(num_modules) if owner is None else (owner,):
