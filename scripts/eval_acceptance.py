@@ -10,6 +10,7 @@ T = 1, and tokens/s with vs without speculation.
         --prompts-from heldout.json --device cuda --out runs/eval
     python scripts/eval_acceptance.py --quantization fp8        # the demo target in FP8, its drafts as they are
 
+With --quantization, also the quantized target's top-1 agreement with the 16-bit one over held-out text.
 Writes OUT/acceptance.json (the first-line workload at its top level, every workload under "workloads"),
 OUT/acceptance.md (a summary table, then one table per workload) and OUT/acceptance.png (if matplotlib is installed).
 """
@@ -24,7 +25,12 @@ import torch
 from tllm_spec.demo import resolve
 from tllm_spec.drafts.tree import DEFAULT_EAGLE_CHOICES
 from tllm_spec.tokenizer import load_tokenizer
-from tllm_spec.tools.acceptance_eval import add_head_arguments, given, head_configs, heldout_texts
+from tllm_spec.tools.acceptance_eval import (
+    add_head_arguments,
+    given,
+    head_configs,
+    heldout_texts,
+)
 from tllm_spec.tools.eval_workloads import (
     WORKLOADS,
     evaluate_workloads,
@@ -32,6 +38,7 @@ from tllm_spec.tools.eval_workloads import (
     plot,
     workload_prompts,
 )
+from tllm_spec.tools.quant_agreement import quantized_agreement
 
 
 def main() -> None:
@@ -76,6 +83,10 @@ def main() -> None:
                                 temperatures=tuple(args.temperatures), device=args.device, dtype=args.dtype,
                                 speed_prompts=args.speed_prompts, repeats=args.repeats,
                                 quantization=args.quantization)
+    if args.quantization:  # the quantized target's top-1 agreement with the 16-bit one, teacher-forced
+        result["top1_agreement"] = quantized_agreement(args.target, args.quantization, args.device, args.dtype)
+        print(f"top-1 agreement with the unquantized target: {result['top1_agreement']['agreement']:.2%} over "
+              f"{result['top1_agreement']['positions']} held-out positions")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(result, indent=2))
