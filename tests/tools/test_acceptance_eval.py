@@ -120,6 +120,8 @@ def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
     assert result["num_prompts"] == 2 and result["prompt_tokens"] == 16  # the first-line workload's, as before
     assert result["quantization"] == "fp8"
     assert list(result["heads"]) == ["eagle3", "draft_target", "sa", "eagle3+sa"]
+    agreement = result.pop("top1_agreement")  # the FP8 target against the 16-bit one, teacher-forced
+    assert agreement["quantization"] == "fp8" and agreement["positions"] > 0 and 0.5 < agreement["agreement"] <= 1
     assert list(result["workloads"]) == ["first-line", "edit"] and result["workloads"]["first-line"] == {
         key: value for key, value in result.items() if key != "workloads"}
     edit = result["workloads"]["edit"]
