@@ -35,6 +35,13 @@ class OneModel(nn.Module):
     def device(self) -> torch.device:
         return self.target.lm_head.weight.device
 
+    def bind_kv_cache(self, kv_cache) -> None:
+        """Point the fused target's attention and the drafter at ``kv_cache`` (another engine over the same target
+        may have pointed them at its own)."""
+        if self.target.fused is not None:
+            self.target.fused.bind_kv_cache(kv_cache)
+        self.worker.bind_kv_cache(kv_cache)
+
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, draft_tokens: torch.Tensor
                 ) -> dict[str, torch.Tensor]:
         """One step: target over the packed batch -> logits at gather ids -> worker (sample, accept, draft).

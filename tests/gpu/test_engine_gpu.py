@@ -38,6 +38,21 @@ def test_graphed_greedy_is_lossless_fp32(arch, k):
         assert out.token_ids == hf_greedy(target, p, n)
 
 
+def test_two_engines_over_one_target_capture_their_own_kv_cache():
+    """A plain and a speculative engine over one target (as scripts/benchmark.py builds them): the one built last
+    bound its KV pool to the shared attention layers, so each graph runner binds its own before capturing: the
+    speculative graphs, captured directly, write only their own pool and decode as the plain engine does."""
+    target, spec = _model("llama", 3, torch.float32, eager=False, compile_step=False)
+    plain = SpecModel.from_target(spec.target, None, max_batch_size=8, compile_step=False)
+    untouched = [t.clone() for t in (*plain.runner.kv_cache.k, *plain.runner.kv_cache.v)]
+    spec.runner.graph_runner.capture_all(progress=False)
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    outs = spec.generate(PROMPTS, params)
+    assert all(torch.equal(a, b) for a, b in zip(untouched, (*plain.runner.kv_cache.k, *plain.runner.kv_cache.v)))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replay_equals_eager(dtype, monkeypatch):
     """Sampled requests with their own seeds equal eager's while steps run ahead; rows of the batch stream (no

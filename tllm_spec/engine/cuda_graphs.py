@@ -280,6 +280,9 @@ class CUDAGraphRunner:
         warm-up and capture draw no numbers the caller would see. Off CUDA (tests of the runner's bookkeeping on
         the CPU) a replay runs the step eagerly into a static output."""
         seed = self.model.spec_metadata.seed.clone()
+        # the graph keeps the KV tensors bound now: this engine's, whoever bound theirs since (two engines over one
+        # target, as a benchmark's plain and speculative ones, each capture over their own pool)
+        self.model.bind_kv_cache(self.kv_cache)
         if self.model.device.type != "cuda":
             replay = EagerReplay(lambda: self._forward(size, draft_len))
             self.model.spec_metadata.seed.copy_(seed)

@@ -204,10 +204,9 @@ class ModelRunner:
 
     def bind_kv_cache(self) -> None:
         """Point the fused target's attention at this runner's KV cache (another engine over the same target may
-        have pointed it at its own); before every step and capture (a replayed graph keeps its capture's)."""
-        if self.target.fused is not None:
-            self.target.fused.bind_kv_cache(self.kv_cache)
-        self.worker.bind_kv_cache(self.kv_cache)
+        have pointed it at its own); before every step, and by the graph runner before every capture (a replayed
+        graph keeps its capture's)."""
+        self.model.bind_kv_cache(self.kv_cache)
 
     def request_finished(self, token_ids: list[int]) -> None:
         """A request ended with these tokens (prompt and output): the worker may keep them (suffix drafting's global
