@@ -6,6 +6,7 @@ each variant must read (FP8: 1 byte per weight; bf16: 2), so the FP8 kernel at t
 
     python3 scripts/bench_fp8_linear.py --rows 1 4 16 32 64 --out fp8_linear.json
     python3 scripts/bench_fp8_linear.py --rows 1 4 --tiles chosen --block   # tile_config only, block scales too
+    python3 scripts/bench_fp8_linear.py --rows 16 32 48 64 --tiles chosen --cublas  # where cuBLASLt takes over
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bench_skinny_linear import SHAPES, time_per_call
-from tllm_spec.kernels.fp8_linear import FP8, fp8_linear, tile_config
+from tllm_spec.kernels.fp8_linear import FP8, _cublas, fp8_linear, tile_config
 from tllm_spec.kernels.skinny_linear import skinny_linear
 
 GRID = [c for c in itertools.product((32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
@@ -30,6 +31,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--tiles", choices=["grid", "chosen"], default="grid")
     p.add_argument("--block", action="store_true", help="also 128x128 block scales (fine-grained checkpoints)")
+    p.add_argument("--cublas", action="store_true", help="also the path above MAX_ROWS (activation quantization, "
+                   "then torch._scaled_mm / cuBLASLt with row-wise scales) at the same rows")
     p.add_argument("--out", default="fp8_linear.json")
     args = p.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "shape": args.shape, "rows_data": []}
@@ -61,6 +64,9 @@ def main() -> None:
             row[f"fp8_{key}_chosen"] = list(tile_config(n, k, rows, block))
             row[f"fp8_{key}_chosen_gbps"] = speeds.get(tile_config(n, k, rows, block))
             row[f"fp8_{key}_best"], row[f"fp8_{key}_best_gbps"] = list(best), speeds[best]
+        if args.cublas:
+            t = time_per_call(lambda w: _cublas(x, w, scales, None, None, None, False, None), weights)
+            row["fp8_cublas_gbps"] = n * k / t / 1e9
         results["rows_data"].append(row)
         print(json.dumps(row))
         del weights

@@ -70,7 +70,7 @@ def test_fp32_activations_and_op_under_compile():
     xb = x.bfloat16()
     compiled = torch.compile(lambda a: fp8_linear_op(a, w, ws, None), fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(xb).float(), fp8_linear_ref(xb, w, ws).float(), atol=3e-2, rtol=3e-2)
-    assert MAX_ROWS == 64
+    assert MAX_ROWS == 32  # the row counts of test_kernel_matches_reference cover both sides of it
 
 
 def test_online_quantization_is_close_to_the_16_bit_layer():
