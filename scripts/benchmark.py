@@ -119,6 +119,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantization", choices=["fp8"], help="the target quantized online (random weights, per-channel "
                    "FP8, dynamic per-token activations; the head stays bf16), measured beside the bf16 target in "
                    "the same run (its plain points at every batch, EAGLE-3 at K of K forced)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the KV pool in E4M3 "
+                   "(scales 1.0), measured beside a bf16 pool in the same run (with --quantization: the bf16 "
+                   "variant has both); with --context each point with each pool")
     p.add_argument("--out", default="runs/benchmark")
     p.add_argument("--plot-only", help="re-plot an earlier benchmark.json (or context.json, or a start-up JSON)")
     add_context_arguments(p)
@@ -193,13 +196,14 @@ def main() -> None:
               "tp_all_reduce": args.tp_all_reduce}
     results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
                "tp_all_reduce": args.tp_all_reduce,
-               "dtype": "bfloat16", "quantization": args.quantization,
+               "dtype": "bfloat16", "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None,
                "spec": spec_name, "spec_fields": spec_fields, "draft_shape": args.draft_shape,
                "moe": None}  # routing.moe_summary of the target, once built
-    variants, default_models = [("default", {"quantization": args.quantization})], None
-    if args.quantization:
+    variants = [("default", {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype})]
+    default_models = None
+    if args.quantization or args.kv_cache_dtype == "fp8":
         variants.append(("bf16", {}))
     if args.compare_eager:  # the default compiles the step where compile_step="auto" finds that it pays
         stock = {"use_fused_layers": False, "compile_step": False}

@@ -52,7 +52,7 @@ FLAGS = {"target_model": "--target", "spec_config.speculative_model": "--draft",
          "sampling.temperature": "--temperature", "sampling.top_k": "--top-k", "sampling.top_p": "--top-p",
          "engine.max_batch_size": "--batch-size", "engine.tensor_parallel_size": "--tensor-parallel-size",
          "dtype": "--dtype", "device": "--device", "quantization": "--quantization",
-         "draft_quantization": "--draft-quantization"}
+         "draft_quantization": "--draft-quantization", "engine.kv_cache_dtype": "--kv-cache-dtype"}
 # what bad input raises while a run file is read or a model loads (pydantic's ValidationError is a ValueError)
 USER_ERRORS = (ValueError, OSError, NotImplementedError, yaml.YAMLError)
 Prompt = str | list[int]  # text, or token ids (no tokenizer needed)
@@ -119,6 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=["fp8"], help="the target's linear layers quantized to FP8 at load (an "
                    "FP8 checkpoint loads as FP8 without it)")
     p.add_argument("--draft-quantization", choices=["fp8"], help="the draft's own linear layers in FP8 too")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="the KV pool's element type ('fp8': E4M3, "
+                   "the checkpoint's k_scale/v_scale or 1.0)")
     p.add_argument("--device")
     p.add_argument("--json", help="write outputs and stats here")
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (small models decode fastest on "
@@ -183,7 +185,8 @@ def apply_flags(cfg: dict, args: argparse.Namespace) -> None:
     """Override the run file's fields with the flags that were given."""
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p}
-    engine = {"max_batch_size": args.batch_size, "tensor_parallel_size": args.tensor_parallel_size}
+    engine = {"max_batch_size": args.batch_size, "tensor_parallel_size": args.tensor_parallel_size,
+              "kv_cache_dtype": args.kv_cache_dtype}
     for section, values in (("sampling", sampling), ("engine", engine)):
         cfg[section].update({k: v for k, v in values.items() if v is not None})
     cfg["spec_config"] = spec_from_flags(cfg["spec_config"], args)

@@ -103,6 +103,10 @@ class EngineConfig(_Frozen):
     num_pages: int | None = Field(None, ge=1, description="KV pages in the pool; default: enough for "
                                   "max_batch_size full sequences (CPU) or kv_cache_fraction of free memory (GPU)")
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="GPU free memory given to the KV pool")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="the KV pool's element type: 'auto' the "
+                                                  "target's dtype; 'fp8' E4M3 (twice the tokens in the same "
+                                                  "memory, half the KV bytes a long-context step reads), with "
+                                                  "the checkpoint's per-layer k_scale/v_scale, else 1.0")
     max_num_batched_tokens: int = Field(16384, ge=1, description="prompt tokens a step prefills (chunked "
                                         "prefill): longer prompts enter over several steps, FIFO, while running "
                                         "requests keep decoding in the same steps; bounds prefill memory. 16384: "

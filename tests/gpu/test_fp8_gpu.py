@@ -1,12 +1,18 @@
 """FP8 on the GPU: the FP8 GEMM kernels against their torch reference at every row count a step has, with channel,
 per-tensor (static) and 128x128 block scales and every epilogue; an FP8 target decodes losslessly with every
-drafter in CUDA graphs (greedy speculative output = the FP8 target's own greedy output), without host syncs."""
+drafter in CUDA graphs (greedy speculative output = the FP8 target's own greedy output), without host syncs. An FP8
+KV cache: the KV write and the paged attention (verify runs, draft steps, split keys, draft trees, the write fused
+into the attention) against their references with per-tensor scales; speculation over it lossless in graphs, compiled
+too; the same memory holds twice the pages."""
 import pytest
 import torch
 
 from tllm_spec import DraftTargetConfig, Eagle3Config, SAConfig, SamplingParams
 from tllm_spec.kernels.fp8_linear import FP8, FP8_MAX, MAX_ROWS, fp8_linear, fp8_linear_op, fp8_linear_ref
+from tllm_spec.engine.runner import _auto_num_pages
 from tllm_spec.kernels.fp8_quant import quantize_activation, quantize_activation_ref
+from tllm_spec.kernels.kv_write import kv_write, kv_write_ref
+from tllm_spec.kernels.paged_attention import paged_attention, paged_attention_ref
 from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.spec_model import SpecModel
 
@@ -79,6 +85,78 @@ def test_online_quantization_is_close_to_the_16_bit_layer():
     x = torch.randn(3, 7, 1024, device="cuda", dtype=torch.bfloat16)
     rel = (fp8(x).float() - layer(x).float()).norm() / layer(x).float().norm()
     assert fp8(x).shape == (3, 7, 512) and rel < 0.05, rel
+
+
+def _kv_operands(runs: int, query_len: int, context: int, seed: int, new_scale: float = 1.0):
+    """An FP8 KV cache of ``runs`` requests with ``context`` cached positions each, their block tables, and a verify
+    run of ``query_len`` new tokens after them (their K/V standard normal times ``new_scale``: 200 makes some
+    clamp). Attention cases keep every value near 1, as the bf16 kernel's tests do: its probabilities round to bf16
+    before the product with V (as the bf16 path's), an error that grows with |V| (values of hundreds put outputs
+    of hundreds an ulp of 1 apart, beyond any tolerance meant for the kernel's logic)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    page, hkv, hq, d = 16, 2, 8, 128
+    pages_per_run = -(-(context + query_len) // page)
+    k_cache = torch.randn(runs * pages_per_run + 1, page, hkv, d, device="cuda", generator=g).to(FP8)
+    v_cache = torch.randn(runs * pages_per_run + 1, page, hkv, d, device="cuda", generator=g).to(FP8)
+    block_tables = (torch.randperm(runs * pages_per_run, device="cuda", generator=g) + 1).int().view(runs, -1)
+    slots = torch.arange(runs, device="cuda").repeat_interleave(query_len)
+    positions = (context + torch.arange(query_len, device="cuda")).repeat(runs)
+    q = torch.randn(runs * query_len, hq, d, device="cuda", generator=g).bfloat16()
+    new_kv = tuple(torch.randn(runs * query_len, hkv, d, device="cuda", generator=g).bfloat16() * new_scale
+                   for _ in range(2))
+    return q, k_cache, v_cache, block_tables, slots, positions, new_kv
+
+
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.5, 2.0)])
+def test_fp8_kv_write_matches_reference_bitwise(k_scale, v_scale):
+    _, k_cache, v_cache, block_tables, slots, positions, (k, v) = _kv_operands(3, 4, 40, seed=7, new_scale=200.0)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kv_write(k, v, k_cache, v_cache, block_tables, slots, positions, k_scale, v_scale)
+    kv_write_ref(k, v, ref_k, ref_v, block_tables, slots, positions, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    assert not v_cache.float().isnan().any()  # out of range: clamped to +-448
+
+
+@pytest.mark.parametrize("query_len,context,fused_write,tree", [(1, 37, False, False), (4, 37, True, False),
+                                                               (4, 3000, True, False), (4, 3000, False, False),
+                                                               (5, 300, False, True)])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.25, 3.0)])
+def test_paged_attention_over_an_fp8_cache_matches_reference(query_len, context, fused_write, tree, k_scale,
+                                                             v_scale):
+    q, k_cache, v_cache, block_tables, slots, positions, new_kv = _kv_operands(3, query_len, context, seed=context)
+    tree_mask = None
+    if tree:  # token i sees itself and the token right above it only
+        tree_mask = (1 | (torch.arange(len(positions), device="cuda") % query_len > 0).long() * 2)
+    args = (block_tables, slots, positions, 0.1, context + query_len)
+    kwargs = {"query_len": query_len, "tree_mask": tree_mask, "k_scale": k_scale, "v_scale": v_scale}
+    ref_caches = (k_cache.clone(), v_cache.clone())
+    if fused_write:
+        out = paged_attention(q, k_cache, v_cache, *args, new_kv=new_kv, **kwargs)
+    else:
+        kv_write(*new_kv, k_cache, v_cache, block_tables, slots, positions, k_scale, v_scale)
+        out = paged_attention(q, k_cache, v_cache, *args, **kwargs)
+    ref = paged_attention_ref(q, *ref_caches, *args, new_kv=new_kv, **kwargs)
+    assert torch.equal(k_cache.view(torch.uint8), ref_caches[0].view(torch.uint8))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_an_fp8_kv_pool_holds_twice_the_pages():
+    shapes = [(8, 128)] * 32
+    pages = [_auto_num_pages(shapes, 16, 10**9, 0.3, torch.device("cuda"), dtype)
+             for dtype in (torch.bfloat16, FP8)]
+    assert abs(pages[1] / pages[0] - 2) < 0.01
+
+
+@pytest.mark.parametrize("kind,compiled", [("eagle3", True), ("eagle3", False), ("tree", False), ("sa", False)])
+def test_speculation_over_an_fp8_kv_cache_is_lossless_in_graphs(kind, compiled):
+    plain, spec = _fp8_models(kind, quantization=None, kv_cache_dtype="fp8", compile_step=compiled)
+    assert spec.runner.kv_cache.dtype == FP8 and spec.runner.graph_runner.compile_step == compiled
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    got = spec.generate(PROMPTS, params)
+    assert spec.runner.graph_runner.graphs, "no CUDA graph was used"
+    assert [o.token_ids for o in got] == expected
 
 
 def _fp8_models(kind: str, **engine):

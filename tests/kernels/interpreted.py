@@ -328,6 +328,24 @@ def _engine_cases() -> None:
         print(f"ok engine {name}")
 
 
+def _fp8_cache_case(query_len: int, num_splits: int) -> None:
+    """The kernel over an FP8 cache with per-tensor scales: keys and values read in q's dtype, k_scale in the
+    softmax scale, v_scale on the output (no write through the kernels: this interpreter rounds fp32 -> FP8 wrongly
+    across powers of two, tests/kernels/test_fp8_linear.py)."""
+    g = torch.Generator().manual_seed(query_len + num_splits)
+    page, d, runs, max_pages = 4, 16, 2, 6
+    k_cache, v_cache = ((torch.randn(runs * max_pages + 1, page, 2, d, generator=g) * 4).to(torch.float8_e4m3fn)
+                        for _ in range(2))
+    block_tables = (torch.randperm(runs * max_pages, generator=g) + 1).int().view(runs, max_pages)
+    positions = (torch.tensor([9, 17])[:, None] + torch.arange(query_len)).flatten()
+    slots = torch.arange(runs).repeat_interleave(query_len)
+    q = torch.randn(runs * query_len, 4, d, generator=g)
+    args = (q, k_cache, v_cache, block_tables, slots, positions, d ** -0.5, max_pages * page)
+    scales = {"query_len": query_len, "k_scale": 0.5, "v_scale": 3.0}
+    out = attention_module.paged_attention(*args, num_splits=num_splits, **scales)
+    torch.testing.assert_close(out, attention_module.paged_attention_ref(*args, **scales), atol=1e-5, rtol=1e-5)
+
+
 def main() -> None:
     grid = itertools.product([1, 2, 4, 6], [1, 3], [(4, 2), (6, 2), (3, 3)], [None, 5], [False, True])
     for query_len, num_runs, (hq, hkv), window, fused in grid:
@@ -335,6 +353,9 @@ def main() -> None:
         print(f"ok paged_attention query_len={query_len} runs={num_runs} hq={hq} hkv={hkv} window={window} "
               f"fused_write={fused}")
     _split_cases()
+    for query_len, num_splits in itertools.product([1, 4], [1, 3]):
+        _fp8_cache_case(query_len, num_splits)
+        print(f"ok fp8 cache paged_attention query_len={query_len} splits={num_splits}")
     skinny = itertools.product([1, 4, 16, 26], [(48, 100), (33, 256), (64, 300)], [False, True],
                                [(16, 64, 4, 2), (32, 128, 4, 3)])
     for rows, (n, k), bias, config in skinny:

@@ -336,3 +336,19 @@ def test_other_quantization_methods_are_refused_in_one_line_naming_them(named, t
         SpecModel.from_pretrained(str(tmp_path), None, dtype="float32", device="cpu")
     message = str(err.value)
     assert named in message and "\n" not in message and "not supported" in message
+
+
+def test_modelopt_kv_cache_scales_reach_an_fp8_kv_cache(tmp_path):
+    """ModelOpt stores each layer's FP8 KV-cache scales beside its projections: an FP8 cache takes them (the draft's
+    layers, had it any, 1.0); a 16-bit cache stores values unscaled."""
+    fmt, model = FORMATS["modelopt"], tiny_model("llama")
+    write_checkpoint(tmp_path, model, fmt)
+    layers = model.config.num_hidden_layers
+    expected = (float(fmt.extra["k_proj.k_scale"]), float(fmt.extra["v_proj.v_scale"]))
+    for kv_cache_dtype, scales in (("fp8", expected), ("auto", (1.0, 1.0))):
+        with SpecModel.from_pretrained(str(tmp_path), None, dtype="float32", device="cpu", max_batch_size=1,
+                                       kv_cache_dtype=kv_cache_dtype) as spec:
+            assert spec.target.kv_scales == [expected] * layers
+            assert [spec.runner.kv_cache.scales(i) for i in range(layers)] == [scales] * layers
+            out = spec.generate([PROMPT], SamplingParams(max_new_tokens=MAX_NEW))[0]
+            assert len(out.token_ids) == MAX_NEW

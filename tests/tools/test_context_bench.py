@@ -125,11 +125,12 @@ def test_context_points_measure_each_mode_on_one_target_and_skip_what_does_not_f
     budget = 13 * 16 * per_token  # 13 pages: batch 2 x 64 needs 2 x 6 + 1, batch 2 x 96 (two groups) 2 x 8 + 1
     plan = plan_points([1, 2], [64, 96], 8, 3, per_token, budget, max_prefill_tokens=128)
     assert plan.skipped.keys() == {(2, 96)}
-    rows = list(context_points(target, plan, [1, 2], [64, 96], 3, 8, 1e9, 128, False, tmp_path))
-    assert [(r["mode"], r["batch"], r["context"]) for r in rows] == [
-        (mode, b, c) for mode in ("none", "eagle3") for b, c in ((2, 96), (1, 64), (1, 96), (2, 64))]
+    rows = list(context_points(target, plan, [1, 2], [64, 96], 3, 8, 1e9, 128, False, tmp_path, ("auto", "fp8")))
+    assert [(r["kv_cache_dtype"], r["mode"], r["batch"], r["context"]) for r in rows] == [
+        (kv, mode, b, c) for kv in ("auto", "fp8") for mode in ("none", "eagle3")
+        for b, c in ((2, 96), (1, 64), (1, 96), (2, 64))]
     for r in rows:
-        assert r.keys() == set(skipped_point(1, 1, "none", None, "")) and r["forced_drafts"] == (
+        assert r.keys() == {*skipped_point(1, 1, "none", None, ""), "kv_cache_dtype"} and r["forced_drafts"] == (
             3.0 if r["mode"] == "eagle3" else None)
         assert (r["skipped"] is not None) == ((r["batch"], r["context"]) == (2, 96))
         assert r["skipped"] or (r["step_ms"] > 0 and r["mean_decode_batch"] == r["batch"])

@@ -303,12 +303,15 @@ class ModelRunner:
         shapes = self.target.kv_layer_shapes() + self.worker.kv_layer_shapes()
         per_request = self.max_positions_per_request
         page, dtype = self.engine_config.page_size, self.target.lm_head.weight.dtype
+        fp8 = self.engine_config.kv_cache_dtype == "fp8"
+        dtype = torch.float8_e4m3fn if fp8 else dtype
         num_pages = self.engine_config.num_pages or _auto_num_pages(
             shapes, page, self.max_batch_size * math.ceil(per_request / page) + 1, self.engine_config.kv_cache_fraction,
             self.device, dtype)
         if self.target.parallel is not None:  # ranks with different free memory still admit alike (lockstep)
             num_pages = min_over_ranks(num_pages, self.target.parallel, self.device)
-        return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, dtype, self.device)
+        return KVCache(shapes, num_pages, page, self.max_batch_size, per_request, dtype, self.device,
+                       self.target.kv_scales if fp8 else None)
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:

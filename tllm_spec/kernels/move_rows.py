@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from .kv_write import as_stored
 
 TILE_ELEMENTS = 8192  # a program's rows x columns per load (8 path rows x 1024, 64 rows x 128, ...)
 
@@ -35,7 +36,7 @@ def move_rows_ref(caches: list[torch.Tensor], table: torch.Tensor, src: torch.Te
     one shape and dtype), flat row src[i] to flat row dst[i]. src, dst [R * width] int64, ``width`` rows per
     request (the kernel's program); ``table``: :func:`cache_table` of ``caches`` (unused here)."""
     for cache in caches:
-        flat = cache.view(-1, *cache.shape[2:])
+        flat = as_stored(cache.view(-1, *cache.shape[2:]))
         flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
@@ -60,7 +61,8 @@ move_rows_op = torch.library.custom_op("tllm_spec::move_cache_rows", move_rows, 
 
 
 if triton is not None:
-    _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+                      torch.float8_e4m3fn: tl.float8e4nv}  # an FP8 KV cache's rows move as they are
 
     @triton.jit
     def _move_rows_kernel(table_ptr, src_ptr, dst_ptr, ROW: tl.constexpr, COLUMNS: tl.constexpr,

@@ -46,7 +46,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, token_slots: torch.Tensor, positions: torch.Tensor,
                         scale: float, max_kv_len: int, sliding_window: int | None = None, query_len: int = 1,
                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        num_splits: int | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, tree_mask: torch.Tensor | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle).
 
     q [T, Hq, D] (dense heads; its tokens may have a stride); k_cache, v_cache [num_pages, page_size, Hkv, D];
@@ -57,11 +58,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     new_kv: this forward's (k, v) [T, Hkv, D], written into the cache first;
     num_splits: how the kernel divides the keys (no effect on the result; ignored here);
     tree_mask: [T] int64 or None, a draft tree's visibility (:func:`tree_visible`): bit j of token t's entry
-    lets it see the key j positions below its own; keys TREE_WINDOW or more below are always visible.
+    lets it see the key j positions below its own; keys TREE_WINDOW or more below are always visible;
+    k_scale, v_scale: an FP8 cache's scales (:mod:`.kv_write`): scores times scale * k_scale, output times v_scale.
     Returns [T, Hq, D] in q's dtype, softmax in fp32.
     """
     if new_kv is not None:
-        kv_write_ref(*new_kv, k_cache, v_cache, block_tables, token_slots, positions)
+        kv_write_ref(*new_kv, k_cache, v_cache, block_tables, token_slots, positions, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     run = query_len if num_tokens % query_len == 0 else 1
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -77,7 +79,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = k_cache[pages].flatten(1, 2).float()  # [runs, num_keys, Hkv, D]
         v = v_cache[pages].flatten(1, 2).float()
         qg = q[rows].float().reshape(-1, run, num_kv_heads, group, head_dim)
-        scores = torch.einsum("rthgd,rshd->rthgs", qg, k) * scale
+        scores = torch.einsum("rthgd,rshd->rthgs", qg, k) * (scale * k_scale)
         pos = positions[rows].view(-1, run, 1)
         visible = key_pos <= pos  # [runs, run, num_keys]
         if tree_mask is not None:
@@ -85,7 +87,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if sliding_window is not None:
             visible &= key_pos > pos - sliding_window
         probs = scores.masked_fill(~visible[:, :, None, None, :], float("-inf")).softmax(-1)
-        o = torch.einsum("rthgs,rshd->rthgd", probs, v)
+        o = torch.einsum("rthgs,rshd->rthgd", probs, v) * v_scale
         out[rows] = o.reshape(-1, num_q_heads, head_dim).to(q.dtype)
     return out
 
@@ -103,6 +105,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sliding_window: int | None = None, query_len: int = 1,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                     num_splits: int | None = None, tree_mask: torch.Tensor | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0,
                     tile: tuple[int, int] | None = None, program_rows: int | None = None) -> torch.Tensor:
     """The Triton kernel on CUDA (reads positions and block tables on the device), else the reference.
 
@@ -115,6 +118,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     :func:`choose_num_splits` for the bound, of which each run uses what :func:`wave_splits` and its own length
     give; 1: the unsplit kernel).
     ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
+    ``k_scale``, ``v_scale``: as the reference's; the kernel reads an FP8 cache's keys and values in q's dtype.
     ``tile``: (keys per iteration, warps) of a program (None: :func:`attention_tile`; for benchmarks).
     ``program_rows``: query rows per program at most (None: :func:`choose_program_rows` for a draft tree's run,
     one program for any other run; for benchmarks). A run of more rows (query_len x the query heads of a KV head)
@@ -123,7 +127,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if not kernels.runs_kernel(q):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                                   sliding_window, query_len, new_kv, num_splits, tree_mask)
+                                   sliding_window, query_len, new_kv, num_splits, tree_mask, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim, "q's heads must be dense (its tokens may have a stride)"
@@ -159,20 +163,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n, num_warps = tile or attention_tile(rows_pad)
     _paged_attention_kernel[(num_runs * row_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, token_slots, positions, positions if tree_mask is None else tree_mask,
-        tree_mask is not None, out, part_acc, part_ml, scale, num_tokens,
-        q.stride(0), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        tree_mask is not None, out, part_acc, part_ml, scale * k_scale, num_tokens,
+        q.stride(0), k_new, v_new, 1.0 / k_scale, 1.0 / v_scale, *k_new.stride()[:2], *v_new.stride()[:2],
         new_kv is not None, block_tables.stride(0), block_tables.shape[0], sliding_window or 0, num_splits, wave,
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, QUERY_LEN=query_len,
-        QUERY_LEN_PAD=triton.next_power_of_2(query_len), ROWS_PAD=rows_pad, ROW_BLOCKS=row_blocks,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
-        MIN_CHUNK=MIN_KEYS_PER_SPLIT, MAX_CHUNK=max_chunk, NUM_STAGES=NUM_STAGES,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        QUERY_LEN_PAD=triton.next_power_of_2(query_len), ROWS_PAD=rows_pad, ROW_BLOCKS=row_blocks, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n, MIN_CHUNK=MIN_KEYS_PER_SPLIT, PDL=pdl,
+        MAX_CHUNK=max_chunk, NUM_STAGES=NUM_STAGES, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=num_warps,
         **dependent_launch.launch_options(pdl))
     if num_splits > 1:
         merge_splits(part_acc, part_ml, positions, out, query_len, sliding_window or 0, block_n,
                      MIN_KEYS_PER_SPLIT, pdl, wave, max_chunk)
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def attention_tile(rows_pad: int) -> tuple[int, int]:
@@ -188,6 +191,7 @@ def attention_tile(rows_pad: int) -> tuple[int, int]:
 if triton is not None:
     from .attention_merge import split_bounds, split_chunk, split_stop
     from .dependent_launch import prefetch_l2, wait_and_release
+    from .kv_write import to_cache
 
     TREE_WINDOW_C = tl.constexpr(TREE_WINDOW)  # the kernel reads globals only as constexprs
 
@@ -195,9 +199,9 @@ if triton is not None:
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr,
                                 tree_mask_ptr, TREE: tl.constexpr, out_ptr,
                                 part_acc_ptr, part_ml_ptr, scale, num_tokens, q_stride_t, k_new_ptr, v_new_ptr,
-                                kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, WRITE: tl.constexpr, bt_stride,
-                                bt_rows, window, num_splits, wave_splits, PAGE_SIZE: tl.constexpr,
-                                NUM_KV_HEADS: tl.constexpr,
+                                inv_k_scale, inv_v_scale, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h,
+                                WRITE: tl.constexpr, bt_stride, bt_rows, window, num_splits, wave_splits,
+                                PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                 GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, QUERY_LEN_PAD: tl.constexpr,
                                 ROWS_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -252,7 +256,7 @@ if triton is not None:
         if WRITE:
             _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
                        num_tokens, kv_head, start, stop, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h,
-                       bt_stride, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM, HEAD_DIM_PAD)
+                       bt_stride, inv_k_scale, inv_v_scale, PAGE_SIZE, NUM_KV_HEADS, QUERY_LEN, HEAD_DIM, HEAD_DIM_PAD)
             tl.debug_barrier()  # the run's stores are visible to the whole program before it reads them
         slot = tl.load(token_slots_ptr + first).to(tl.int64)
         dims = tl.arange(0, HEAD_DIM_PAD)
@@ -277,8 +281,8 @@ if triton is not None:
             page = tl.load(block_tables_ptr + slot * bt_stride + kpos // PAGE_SIZE, mask=in_run, other=0)
             kv_rows = ((page.to(tl.int64) * PAGE_SIZE + kpos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
             kv_mask = in_run[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # both in flight
+            k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # FP8 cache
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -326,8 +330,8 @@ if triton is not None:
     @triton.jit
     def _write_run(k_new_ptr, v_new_ptr, k_ptr, v_ptr, block_tables_ptr, token_slots_ptr, positions_ptr, first,
                    num_tokens, kv_head, lo, hi, kn_stride_t, kn_stride_h, vn_stride_t, vn_stride_h, bt_stride,
-                   PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                   inv_k_scale, inv_v_scale, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
         """Store K/V of tokens first..first+QUERY_LEN-1 whose positions lie in [lo, hi), head kv_head, at their
         (slot, position) pages."""
         dims = tl.arange(0, HEAD_DIM_PAD)
@@ -342,5 +346,5 @@ if triton is not None:
                 dst = ((page * PAGE_SIZE + pos % PAGE_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims
                 k = tl.load(k_new_ptr + token * kn_stride_t + kv_head * kn_stride_h + dims, mask=mine)
                 v = tl.load(v_new_ptr + token * vn_stride_t + kv_head * vn_stride_h + dims, mask=mine)
-                tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=mine)
-                tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=mine)
+                tl.store(k_ptr + dst, to_cache(k, k_ptr, inv_k_scale), mask=mine)
+                tl.store(v_ptr + dst, to_cache(v, v_ptr, inv_v_scale), mask=mine)

@@ -83,12 +83,13 @@ class AttentionMetadata:
         return AttentionMetadata.build(self.kv_cache, token_slots, positions, self.max_kv_len)
 
 
-KVLayer = int | tuple[torch.Tensor, torch.Tensor]  # a KV layer: its index in the cache, or its (k, v) tensors
+# a KV layer: its index in the cache, or its (k, v) tensors and (an FP8 cache's) per-tensor (k, v) scales
+KVLayer = int | tuple[torch.Tensor, torch.Tensor, float, float]
 
 
-def layer_caches(cache: KVCache, layer: KVLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache) of a KV layer given by index or already as its tensors."""
-    return layer if isinstance(layer, tuple) else (cache.k[layer], cache.v[layer])
+def layer_caches(cache: KVCache, layer: KVLayer) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(k_cache, v_cache, k_scale, v_scale) of a KV layer given by index or already as its tensors and scales."""
+    return layer if isinstance(layer, tuple) else (cache.k[layer], cache.v[layer], *cache.scales(layer))
 
 
 def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -103,7 +104,7 @@ def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     Under torch.compile the write and the paged attention are one custom op, opaque to Inductor.
     """
     cache = meta.kv_cache
-    k_cache, v_cache = layer_caches(cache, layer)
+    k_cache, v_cache, k_scale, v_scale = layer_caches(cache, layer)
     num_ctx = meta.num_context_tokens
     write_slots = meta.token_slots if meta.write_slots is None else meta.write_slots
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -112,35 +113,41 @@ def attend(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
         op = torch.ops.tllm_spec.write_and_attend if torch.compiler.is_compiling() else write_and_attend
         query_len = meta.tokens_per_request if num_ctx == 0 else 1  # prompts are not runs of K+1 tokens
         return op(q, k, v, k_cache, v_cache, cache.block_tables, meta.token_slots, write_slots,
-                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len, meta.tree_mask)
-    kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions)
+                  meta.positions, scale, meta.max_kv_len, sliding_window or 0, query_len, meta.tree_mask,
+                  k_scale, v_scale)
+    kv_write(k, v, k_cache, v_cache, cache.block_tables, write_slots, meta.positions, k_scale, v_scale)
     out = torch.empty_like(q)
-    out[:num_ctx] = context_attention((k_cache, v_cache), q[:num_ctx], k[:num_ctx], v[:num_ctx], meta, scale, sliding_window)
+    out[:num_ctx] = context_attention((k_cache, v_cache, k_scale, v_scale), q[:num_ctx], k[:num_ctx], v[:num_ctx],
+                                      meta, scale, sliding_window)
     if num_ctx < q.shape[0]:
         out[num_ctx:] = paged_attention(q[num_ctx:], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[num_ctx:], meta.positions[num_ctx:], scale,
-                                        meta.max_kv_len, sliding_window, meta.tokens_per_request)
+                                        meta.max_kv_len, sliding_window, meta.tokens_per_request,
+                                        k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, block_tables: torch.Tensor, token_slots: torch.Tensor,
                      write_slots: torch.Tensor, positions: torch.Tensor, scale: float, max_kv_len: int,
-                     sliding_window: int, query_len: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """kv_write then paged_attention (``sliding_window`` 0 = none; ``tree_mask``: a draft tree's visibility).
+                     sliding_window: int, query_len: int, tree_mask: torch.Tensor | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """kv_write then paged_attention (``sliding_window`` 0 = none; ``tree_mask``: a draft tree's visibility;
+    ``k_scale``, ``v_scale``: an FP8 cache's scales).
     q [N, Hq, D] (dense heads; its tokens may have a stride); k, v [N, Hkv, D] -> [N, Hq, D] contiguous. One
     custom op under torch.compile: Inductor never traces into the Triton kernels (a traced kernel's float
     arguments can turn float64)."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if tree_mask is not None:
-        kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
+        kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions, **scales)
         return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                               sliding_window or None, query_len, tree_mask=tree_mask)
+                               sliding_window or None, query_len, tree_mask=tree_mask, **scales)
     if write_slots is token_slots:  # the attention kernel writes the run's own K/V
         return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                               sliding_window or None, query_len, new_kv=(k, v))
-    kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions)
+                               sliding_window or None, query_len, new_kv=(k, v), **scales)
+    kv_write(k, v, k_cache, v_cache, block_tables, write_slots, positions, **scales)
     return paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, scale, max_kv_len,
-                           sliding_window or None, query_len)
+                           sliding_window or None, query_len, **scales)
 
 
 _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", write_and_attend,
@@ -149,7 +156,7 @@ _write_and_attend_op = torch.library.custom_op("tllm_spec::write_and_attend", wr
 
 @_write_and_attend_op.register_fake
 def _(q, k, v, k_cache, v_cache, block_tables, token_slots, write_slots, positions, scale, max_kv_len,
-      sliding_window, query_len, tree_mask=None):
+      sliding_window, query_len, tree_mask=None, k_scale=1.0, v_scale=1.0):
     return q.new_empty(q.shape)
 
 
@@ -170,12 +177,13 @@ def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     if not any(starts):
         return prefill_attention(q, k, v, meta.context_lens, scale, sliding_window)
     cache = meta.kv_cache
-    k_cache, v_cache = layer_caches(cache, layer)
+    k_cache, v_cache, k_scale, v_scale = layer_caches(cache, layer)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and max(meta.context_lens) <= SHORT_CHUNK:
         firsts = torch.tensor(list(itertools.accumulate((0, *meta.context_lens[:-1]))), dtype=torch.int64)
         slots = meta.token_slots.index_select(0, firsts.to(q.device, non_blocking=True))
         out = chunks_over_cache_attention(q, k_cache, v_cache, cache.block_tables, slots, meta.context_lens,
-                                          starts, scale, sliding_window)
+                                          starts, scale, sliding_window, **scales)
         if out is not None:
             return out
     out = torch.empty_like(q)
@@ -187,11 +195,11 @@ def context_attention(layer: KVLayer, q: torch.Tensor, k: torch.Tensor, v: torch
         elif sliding_window is not None and q.is_cuda:  # the GPU keeps its paged kernel under a window
             out[rows] = paged_attention(q[rows], k_cache, v_cache, cache.block_tables,
                                         meta.token_slots[rows], meta.positions[rows], scale, meta.max_kv_len,
-                                        sliding_window)
+                                        sliding_window, **scales)
         else:
             block_table = cache.block_tables.index_select(0, meta.token_slots[offset:offset + 1])  # [1, P]
             out[rows] = cached_prefix_attention(q[rows], k_cache, v_cache, block_table, start, scale,
-                                                sliding_window=sliding_window)
+                                                sliding_window=sliding_window, **scales)
         offset += n
     return out
 

@@ -102,7 +102,7 @@ class FusedDecoder(nn.Module):
             return
         for layer in self.layers:
             attn = layer.self_attn
-            attn.bind_kv_cache(kv_cache.k[attn.kv_layer], kv_cache.v[attn.kv_layer])
+            attn.bind_kv_cache(kv_cache.k[attn.kv_layer], kv_cache.v[attn.kv_layer], kv_cache.scales(attn.kv_layer))
         self._bound_cache = kv_cache
 
 

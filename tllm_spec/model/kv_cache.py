@@ -25,16 +25,23 @@ class KVCache:
 
     Prefix caching shares pages between rows: ``pages`` (:class:`PagePool`) counts each page's holders and keeps
     released pages that hold a cached prefix evictable; a row's shared pages are only ever read.
+
+    ``dtype`` FP8 (``EngineConfig.kv_cache_dtype="fp8"``): pages of E4M3 values, each layer's K and V with one
+    per-tensor scale (``kv_scales``: the checkpoint's, else 1.0 as vLLM does): twice the tokens in the same bytes.
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int]], num_pages: int, page_size: int, max_requests: int,
-                 max_tokens_per_request: int, dtype: torch.dtype, device: torch.device | str):
+                 max_tokens_per_request: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_scales: Sequence[tuple[float, float]] | None = None):
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.page_size = page_size
         self.max_pages_per_request = math.ceil(max_tokens_per_request / page_size)
         self.k = [torch.zeros(num_pages, page_size, h, d, dtype=dtype, device=device) for h, d in layer_shapes]
         self.v = [torch.zeros_like(k) for k in self.k]
+        self.kv_scales = [(1.0, 1.0)] * len(layer_shapes)
+        if kv_scales is not None:  # the target's layers first; the draft's keep 1.0
+            self.kv_scales[:len(kv_scales)] = [(float(k), float(v)) for k, v in kv_scales]
         groups: dict[tuple[int, int], list[torch.Tensor]] = {}
         for cache in self.k + self.v:
             groups.setdefault(tuple(cache.shape[2:]), []).append(cache)
@@ -48,6 +55,14 @@ class KVCache:
         self.pages = PagePool(num_pages, first=SCRATCH_PAGE + 1)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of KV layer ``layer`` (1.0 each but in an FP8 cache with checkpoint scales)."""
+        return self.kv_scales[layer]
 
     @property
     def block_tables(self) -> torch.Tensor:

@@ -145,10 +145,12 @@ class Attention(nn.Module):
         # serves every layer (they are inputs of the compiled code, where an index would be baked into it)
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        self.kv_scales = (1.0, 1.0)  # an FP8 cache's per-tensor (k, v) scales for this layer
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)
+                      ) -> None:
         """Attend over these tensors (KV layer ``kv_layer`` of the engine's cache) from now on."""
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_cache, self.v_cache, self.kv_scales = k_cache, v_cache, scales
 
     @classmethod
     def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, head_dim: int, kv_layer: int,
@@ -178,7 +180,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotate_part(q, rope), rotate_part(k, rope)
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        kv_layer = self.kv_layer if self.k_cache is None else (self.k_cache, self.v_cache)
+        kv_layer = self.kv_layer if self.k_cache is None else (self.k_cache, self.v_cache, *self.kv_scales)
         out = attend(kv_layer, q, k, v, attn, self.scale, self.sliding_window)
         return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual)
 

@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..kernels.kv_write import from_cache
+
 _QUERY_BLOCK = 2048  # query rows per SDPA call of blocked_causal_attention (a mask of at most this many rows)
 
 
 def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, start: int, scale: float,
-                            split: bool | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                            split: bool | None = None, sliding_window: int | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of one prompt chunk at positions [start, start + n) over its request's cached K/V at
     positions [0, start + n) (the chunk's own K/V already written): query i sees keys 0 .. start + i.
 
@@ -33,13 +36,14 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     log-sum-exp (:func:`attention_with_lse`; where neither fused kernel takes the call, the blocked path from then
     on). Both are shapes the fastest kernel takes (cuDNN's on Hopper; a lower-right causal bias goes to flash
     attention at half its speed). Otherwise, and always under a ``sliding_window`` (keys this many positions or
-    more below a query are masked), :func:`blocked_causal_attention` (the CPU's path)."""
+    more below a query are masked), :func:`blocked_causal_attention` (the CPU's path). ``k_scale``, ``v_scale``:
+    an FP8 cache's scales (:func:`~..kernels.kv_write.from_cache`)."""
     n, num_q_heads, _ = q.shape
     num_keys, page_size = start + n, k_cache.shape[1]
     pages = block_table[0, :math.ceil(num_keys / page_size)].long()
     group = num_q_heads // k_cache.shape[2]
-    k, v = (c[pages].flatten(0, 1)[:num_keys].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            for c in (k_cache, v_cache))  # [Hq, start + n, D]
+    k, v = (from_cache(c[pages].flatten(0, 1)[:num_keys], q.dtype, s).transpose(0, 1).repeat_interleave(group, dim=0)
+            for c, s in ((k_cache, k_scale), (v_cache, v_scale)))  # [Hq, start + n, D]
     qs = q.contiguous().transpose(0, 1)[None]  # [1, Hq, n, D], dense tokens (q may be a strided slice of q|k|v)
     if split is None:
         split = _LSE_BACKENDS.get(q.device.type) is not None and q.dtype in (torch.bfloat16, torch.float16)
@@ -192,19 +196,20 @@ def _key_layout(lens: tuple[int, ...], starts: tuple[int, ...], device: torch.de
 
 def chunks_over_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, chunk_slots: torch.Tensor, lens: tuple[int, ...],
-                                starts: tuple[int, ...], scale: float, sliding_window: int | None = None
-                                ) -> torch.Tensor | None:
+                                starts: tuple[int, ...], scale: float, sliding_window: int | None = None,
+                                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor | None:
     """Every prompt chunk's causal attention over its request's cached K/V at positions [0, start + n) (its own
     K/V already written) in one variable-length flash call: each chunk's keys gathered from its pages, the
     causal mask aligned to the keys' end. q [sum(lens), Hq, D], chunks back to back; chunk_slots [C] int64
     (block-table rows, on the device) -> [sum(lens), Hq, D]. None where :func:`varlen_causal_attention` is.
     Shape-agnostic, so a step of new chunk lengths builds no plan, and one call serves every chunk (a cache hit's
-    requests join a step together)."""
+    requests join a step together). ``k_scale``, ``v_scale``: an FP8 cache's scales."""
     chunk, position = _key_layout(lens, starts, q.device)
     page_size = k_cache.shape[1]
     pages = block_tables.index_select(0, chunk_slots)[chunk, position // page_size].long()
     flat = pages * page_size + position % page_size
-    k, v = (c.flatten(0, 1).index_select(0, flat) for c in (k_cache, v_cache))
+    k, v = (from_cache(c.flatten(0, 1).index_select(0, flat), q.dtype, s) for c, s in ((k_cache, k_scale),
+                                                                                      (v_cache, v_scale)))
     return varlen_causal_attention(q, k, v, lens, scale, sliding_window,
                                    tuple(s + n for s, n in zip(starts, lens)))
 

@@ -160,6 +160,11 @@ class TargetModel(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
+    @property
+    def kv_scales(self) -> list[tuple[float, float]] | None:
+        """Per-layer (k_scale, v_scale) an FP8 checkpoint gives its KV cache (None: none given)."""
+        return getattr(self.hf, "tllm_kv_scales", None)
+
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of every decoder layer, in order (this rank's KV heads when tensor parallel)."""
         head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads

@@ -60,7 +60,7 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError)
 ENGINE_FLAGS = {"max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
                 "max_num_batched_tokens": "--max-num-batched-tokens",
                 "scheduler_delay_factor": "--scheduler-delay-factor",
-                "enable_prefix_caching": "--enable-prefix-caching"}
+                "enable_prefix_caching": "--enable-prefix-caching", "kv_cache_dtype": "--kv-cache-dtype"}
 SPEC_FLAGS = {"max_draft_len": "-k/--max-draft-len", "speculative_model": "--draft/--draft-model"}  # fields --spec-config may set
 
 
@@ -134,6 +134,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "without it")
     p.add_argument("--draft-quantization", choices=["fp8"], help="the draft network's own linear layers in FP8 too "
                    "(an EAGLE-3 head, MTP modules or a draft LM; needs a draft)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="'fp8': the KV pool in E4M3 with the "
+                   "checkpoint's k_scale/v_scale (else 1.0): twice the tokens in the same memory (default: auto, "
+                   "the target's dtype)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1' or 'auto'")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=serve)

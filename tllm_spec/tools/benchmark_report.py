@@ -9,6 +9,8 @@ def table(results: dict) -> str:
     gpus = f"{tp} x {results['gpu']} (tensor parallel)" if tp > 1 else results["gpu"]
     moe = results.get("moe")
     weights = "FP8 target (variant default; the bf16 target: variant bf16)" if results.get("quantization") else "bf16"
+    if results.get("kv_cache_dtype") == "fp8":
+        weights += ", FP8 KV cache (variant default; a bf16 one: variant bf16)"
     lines = [(f"{gpus}, {results['shape']} random weights, {weights}, K={results['k']}, prompt "
               f"{results['prompt_len']}, {results['new_tokens']} new tokens, {results['date']}; GEMV bandwidth "
               f"{results['bandwidth_bytes_per_s']['gemv'] / 1e12:.2f} TB/s"),
@@ -69,6 +71,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     weights = ("FP8" + (" and bf16" if "bf16" in variants else "")) if results.get("quantization") else "bf16"
+    weights += ", FP8 KV" if results.get("kv_cache_dtype") == "fp8" else ""
     fig.suptitle(f"{results['gpu']} — {results['shape']} {weights}, K={results['k']} ({results['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -237,7 +238,7 @@ def plan_for(target: TargetModel, batches: list[int], contexts: list[int], new_t
 
 
 def build_model(target: TargetModel, mode: str, k: int, plan: ContextPlan, max_batch_size: int, compile_step: bool,
-                workdir: str | Path) -> SpecModel:
+                workdir: str | Path, kv_cache_dtype: str = "auto") -> SpecModel:
     """A plain or EAGLE-3 model (a random head, drawn as random_spec_model draws it) over ``target`` with the
     plan's pool and sequence bound."""
     spec_config = None
@@ -246,7 +247,7 @@ def build_model(target: TargetModel, mode: str, k: int, plan: ContextPlan, max_b
                                 draft_vocab_size=min(target.vocab_size, DRAFT_VOCAB_SIZE))
         spec_config = Eagle3Config(speculative_model=str(head), max_draft_len=k)
     return SpecModel.from_target(target, spec_config, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len,
-                                 num_pages=plan.num_pages, compile_step=compile_step,
+                                 num_pages=plan.num_pages, compile_step=compile_step, kv_cache_dtype=kv_cache_dtype,
                                  enable_prefix_caching=False)  # every point times its prompts' whole prefill
 
 
@@ -261,30 +262,41 @@ def release(model: SpecModel) -> None:
 
 
 def context_points(target: TargetModel, plan: ContextPlan, batches: list[int], contexts: list[int], k: int,
-                   new_tokens: int, bandwidth: float, max_prefill_tokens: int, compile_step: bool, workdir: str | Path
-                   ) -> Iterator[dict]:
-    """Rows of every (mode, batch, context): measured (ContextPoint as a dict) or skipped with the reason."""
-    for mode in MODES:
-        forced = float(k) if mode == "eagle3" else None
-        todo = [(b, c) for b in batches for c in contexts]
-        for b, c in todo:
-            if (b, c) in plan.skipped:
-                yield skipped_point(b, c, mode, forced, plan.skipped[(b, c)])
-        todo = [p for p in todo if p not in plan.skipped]
-        if not todo:
-            continue
-        try:
-            model = build_model(target, mode, k, plan, max(batches), compile_step, workdir)
-        except torch.cuda.OutOfMemoryError as err:
-            yield from (skipped_point(b, c, mode, forced, f"model build: out of memory ({err})"[:300]) for b, c in todo)
-            continue
-        try:
-            yield from _mode_points(model, mode, todo, new_tokens, forced, bandwidth, max_prefill_tokens)
-        finally:
-            release(model)
-            del model
-            gc.collect()  # the rest of the model (its engine and loop refer to each other)
-            torch.cuda.empty_cache()
+                   new_tokens: int, bandwidth: float, max_prefill_tokens: int, compile_step: bool, workdir: str | Path,
+                   kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> Iterator[dict]:
+    """Rows of every (KV pool dtype, mode, batch, context): measured (ContextPoint as a dict, its
+    ``kv_cache_dtype`` added) or skipped with the reason. Every pool has the plan's pages (an FP8 one: half the
+    bytes)."""
+    for kv, mode in itertools.product(kv_cache_dtypes, MODES):
+        yield from ({**row, "kv_cache_dtype": kv} for row in _points_of(target, plan, batches, contexts, k, new_tokens,
+                                                                           bandwidth, max_prefill_tokens, compile_step,
+                                                                           workdir, mode, kv))
+
+
+def _points_of(target: TargetModel, plan: ContextPlan, batches: list[int], contexts: list[int], k: int,
+               new_tokens: int, bandwidth: float, max_prefill_tokens: int, compile_step: bool, workdir: str | Path,
+               mode: str, kv_cache_dtype: str) -> Iterator[dict]:
+    """:func:`context_points` of one mode and KV pool dtype."""
+    forced = float(k) if mode == "eagle3" else None
+    todo = [(b, c) for b in batches for c in contexts]
+    for b, c in todo:
+        if (b, c) in plan.skipped:
+            yield skipped_point(b, c, mode, forced, plan.skipped[(b, c)])
+    todo = [p for p in todo if p not in plan.skipped]
+    if not todo:
+        return
+    try:
+        model = build_model(target, mode, k, plan, max(batches), compile_step, workdir, kv_cache_dtype)
+    except torch.cuda.OutOfMemoryError as err:
+        yield from (skipped_point(b, c, mode, forced, f"model build: out of memory ({err})"[:300]) for b, c in todo)
+        return
+    try:
+        yield from _mode_points(model, mode, todo, new_tokens, forced, bandwidth, max_prefill_tokens)
+    finally:
+        release(model)
+        del model
+        gc.collect()  # the rest of the model (its engine and loop refer to each other)
+        torch.cuda.empty_cache()
 
 
 def _mode_points(model: SpecModel, mode: str, todo: list[tuple[int, int]], new_tokens: int, forced: float | None,

@@ -35,6 +35,7 @@ class ContextRun:
     compile_step: bool
     attention_backends: list[str]
     attention_only: bool
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # each point per KV pool dtype ("auto" = the target's bf16)
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +71,10 @@ def check_context_arguments(parser: argparse.ArgumentParser, args: argparse.Name
 
 
 def context_run(args: argparse.Namespace) -> ContextRun:
+    kv = ("auto", "fp8") if getattr(args, "kv_cache_dtype", "auto") == "fp8" else ("auto",)  # fp8: bf16 beside
     return ContextRun(args.shape, args.batches, args.context, args.max_draft_len, args.new_tokens,
                       args.kv_cache_fraction, args.max_prefill_tokens, not args.no_compile, args.attention_backends,
-                      args.attention_only)
+                      args.attention_only, kv)
 
 
 def run_context_benchmark(run: ContextRun, out: Path, json_copy: Path | None = None) -> dict:
@@ -124,14 +126,15 @@ def _decode_points(run: ContextRun, bandwidth: float, results: dict, save: Calla
         f"{plan.budget_bytes / GIB:.1f} GiB")
     with tempfile.TemporaryDirectory() as workdir:
         for row in context_points(target, plan, run.batches, run.contexts, run.k, run.new_tokens, bandwidth,
-                                  run.max_prefill_tokens, run.compile_step, workdir):
+                                  run.max_prefill_tokens, run.compile_step, workdir, run.kv_cache_dtypes):
             results["points"].append(row)
             save()
             log(format_point(row))
 
 
 def _mode_name(p: dict) -> str:
-    return "no spec" if p["mode"] == "none" else f"EAGLE-3 ({p['forced_drafts']:g} drafts forced)"
+    name = "no spec" if p["mode"] == "none" else f"EAGLE-3 ({p['forced_drafts']:g} drafts forced)"
+    return name + (", FP8 KV" if p.get("kv_cache_dtype") == "fp8" else "")
 
 
 def format_point(p: dict) -> str:

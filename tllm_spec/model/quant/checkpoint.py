@@ -173,7 +173,25 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, scheme: Fp8Sc
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the target's weights, which would be "
                          f"randomly initialised ({shown})")
     rebuild_meta_buffers(hf, config, torch.device("cpu"))
+    hf.tllm_kv_scales = _kv_scales(files, read, config.num_hidden_layers)
     return hf
+
+
+def _kv_scales(files: dict, read, num_layers: int) -> list[tuple[float, float]] | None:
+    """Each decoder layer's per-tensor (k_scale, v_scale) for an FP8 KV cache, where the checkpoint stores them
+    (``self_attn.k_scale`` / ``v_scale``, or the older ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale``); 1.0
+    for a layer without; None for a checkpoint without any."""
+    def scale(layer: int, kind: str) -> float | None:
+        for key in (f"model.layers.{layer}.self_attn.{kind}_scale", f"model.layers.{layer}.self_attn.{kind}_proj."
+                                                                    f"{kind}_scale"):
+            if key in files:
+                return float(read(key).float().max())
+        return None
+
+    scales = [(scale(i, "k"), scale(i, "v")) for i in range(num_layers)]
+    if all(k is None and v is None for k, v in scales):
+        return None
+    return [(k or 1.0, v or 1.0) for k, v in scales]
 
 
 def _fp8_linear(name: str, module: nn.Linear, scheme: Fp8Scheme, read, files: dict, dtype: torch.dtype,
