@@ -352,3 +352,15 @@ def test_modelopt_kv_cache_scales_reach_an_fp8_kv_cache(tmp_path):
             assert [spec.runner.kv_cache.scales(i) for i in range(layers)] == [scales] * layers
             out = spec.generate([PROMPT], SamplingParams(max_new_tokens=MAX_NEW))[0]
             assert len(out.token_ids) == MAX_NEW
+
+
+def test_fp8_mixture_of_experts_targets_are_refused_in_one_line(tmp_path):
+    from tllm_spec.tools.random_models import shape_config
+
+    config = shape_config("tiny-qwen3-moe")
+    target = TargetModel.from_config(config, torch.float32, "cpu")
+    with pytest.raises(NotImplementedError, match="^FP8 mixture-of-experts targets are not supported yet"):
+        target.quantize("fp8")
+    target.hf.save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="FP8 mixture-of-experts targets are not supported yet"):
+        SpecModel.from_pretrained(str(tmp_path), None, dtype="float32", device="cpu", quantization="fp8")

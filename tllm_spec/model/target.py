@@ -62,9 +62,8 @@ class TargetModel(nn.Module):
             raise ValueError(f"{path}: encoder-decoder models are not supported; tllm_spec needs a causal LM")
         check_quantization(quantization)
         scheme = quant_checkpoint.scheme_of(path, config)
-        if (scheme is not None or quantization) and is_moe_config(config):
-            raise NotImplementedError(f"{path}: FP8 mixture-of-experts targets are not supported yet (the experts' "
-                                      "FP8 path is a later addition); load a bf16 checkpoint without quantization")
+        if scheme is not None or quantization:
+            _refuse_fp8_moe(config, f"{path}: ")
         if parallel is not None:
             if scheme is not None:
                 raise NotImplementedError(f"{path}: an FP8 checkpoint ({scheme.name}) with tensor parallelism is not "
@@ -107,8 +106,7 @@ class TargetModel(nn.Module):
         :meth:`fuse`. None: unchanged."""
         check_quantization(quantization)
         if quantization:
-            if is_moe_config(self.config):
-                raise NotImplementedError("FP8 mixture-of-experts targets are not supported yet")
+            _refuse_fp8_moe(self.config, "")
             if self.fused is not None:
                 raise RuntimeError("quantize the target before fusing its layers")
             quantize_linears(self.hf)
@@ -218,6 +216,13 @@ QUANTIZATIONS = ("fp8",)
 def check_quantization(quantization: str | None) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is not supported; give one of {list(QUANTIZATIONS)} or None")
+
+
+def _refuse_fp8_moe(config: PretrainedConfig, where: str) -> None:
+    """FP8 (a checkpoint or online) is refused for mixture-of-experts targets, in one line."""
+    if is_moe_config(config):
+        raise NotImplementedError(f"{where}FP8 mixture-of-experts targets are not supported yet (the experts' FP8 "
+                                  "path is a later addition); load a bf16 checkpoint without quantization")
 
 
 def is_moe_config(config: PretrainedConfig) -> bool:
