@@ -164,6 +164,7 @@ def test_every_request_rejected_exits_1_with_each_reason_on_stderr(generate_scri
     assert data["outputs"][0]["finish_reason"] == "rejected" != data["outputs"][1]["finish_reason"]  # --prompt
 
 
+@pytest.mark.slow  # three runs of the script: five to seven seconds on the 2-core machine
 def test_sa_and_a_draft_lm_are_lossless(generate_script, tiny_target, tmp_path):
     for flags in (["--sa"], ["--draft-model", str(tiny_target)], ["--mtp", "--sa-spec", "--sa-spec-threshold", "2"]):
         data = run_cli(generate_script, tmp_path, "--target", str(tiny_target), *flags, "-k", "2")
@@ -179,6 +180,7 @@ def test_quantization_flags_load_fp8_and_the_baseline_runs_the_fp8_target(genera
     assert data["baseline_stats"]["num_tokens"] > 0  # the plain FP8 target, without a draft to quantize
 
 
+@pytest.mark.slow  # three to four seconds on the 2-core machine, out of the README command for its margin
 def test_the_edit_workload_quotes_functions_for_sa(generate_script, tmp_path):
     data = run_cli(generate_script, tmp_path, "--sa", "--workload", "edit", "--num-prompts", "2", prompt=None)
     assert len(data["outputs"]) == 2 and all("def " in o["prompt"] for o in data["outputs"])

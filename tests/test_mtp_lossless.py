@@ -138,7 +138,7 @@ def test_rejection_sampling_keeps_greedy_requests_exact():
     assert len(outs[1].token_ids) == len(outs[3].token_ids) == 12
 
 
-@pytest.mark.parametrize("mode", ["vanilla2", "eagle_k3"])
+@pytest.mark.parametrize("mode", ["vanilla2", pytest.param("eagle_k3", marks=pytest.mark.slow)])  # 4-5 s
 def test_rejection_sampling_two_token_distribution(mode):
     """At T = 1 the first two emitted tokens follow the target's joint distribution (chi-square)."""
     from .sampling.test_distribution import V, exact_joint, pvalue, sample_pairs

@@ -162,6 +162,7 @@ def test_a_region_without_operations_compiles_while_caching(tmp_path, monkeypatc
     trace_cache.reset()
 
 
+@pytest.mark.slow  # compiles two regions with Inductor: eight to ten seconds on the 2-core machine
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch has no DynamoCache")
 def test_a_failure_inside_the_cache_falls_back_to_a_plain_compile_with_one_warning(tmp_path, monkeypatch):
     """Whatever fails inside the experimental cache never reaches the user: here the cache runs without the

@@ -57,7 +57,8 @@ def test_the_prompt_is_drafted_from():
         assert out.stats.accepted_per_step[1] > 1
 
 
-@pytest.mark.parametrize("spec", ["eagle3", pytest.param("mtp_eagle", marks=pytest.mark.slow), "mtp_vanilla"])
+@pytest.mark.parametrize("spec", [pytest.param("eagle3", marks=pytest.mark.slow),  # three seconds each
+                                  pytest.param("mtp_eagle", marks=pytest.mark.slow), "mtp_vanilla"])
 def test_sa_on_top_of_a_head_is_lossless_and_drafts_more_where_text_repeats(spec):
     from ..test_mtp_lossless import mtp_target
 

@@ -31,6 +31,7 @@ def tree_model(**engine) -> SpecModel:
     return demo(tuple(tuple(c) for c in TREE), 4, **engine)
 
 
+@pytest.mark.slow  # five seconds on the 2-core machine, out of the README command for its margin
 def test_greedy_tree_output_is_the_targets_own_and_accepts_more_than_a_chain():
     params = SamplingParams(max_new_tokens=48)
     plain = demo(None, 0).generate(PROMPTS, params)
@@ -42,6 +43,7 @@ def test_greedy_tree_output_is_the_targets_own_and_accepts_more_than_a_chain():
     assert max(max(o.stats.accepted_per_step) for o in tree) == 5  # whole paths to depth 4 were accepted
 
 
+@pytest.mark.slow  # three to four seconds on the 2-core machine, out of the README command for its margin
 def test_seeded_sampled_tree_requests_are_reproducible():
     params = [SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=11 + i) for i in range(4)]
     model = tree_model()

@@ -58,7 +58,8 @@ def check_against(reference: torch.Tensor, out: RequestOutput, num_top: int) -> 
             assert top[token] == value
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "mtp", "static-tree", "dynamic-tree"])
+@pytest.mark.parametrize("spec", ["eagle3", "mtp", pytest.param("static-tree", marks=pytest.mark.slow),  # 3 s
+                                  "dynamic-tree"])
 def test_greedy_speculative_logprobs_equal_plain_decoding_and_hf(spec):
     """A tree's emitted tokens come from the rows of its accepted path's nodes, not from its first rows."""
     params = SamplingParams(max_new_tokens=40, logprobs=5)
@@ -120,6 +121,7 @@ def test_stops_trim_the_logprobs_with_the_tokens():
         assert [v for o in streamed for v in o.logprobs] == out.logprobs, name
 
 
+@pytest.mark.slow  # six seconds or more on the 2-core machine: the second CI command runs it
 def test_graphed_steps_carry_logprobs_and_run_ahead(monkeypatch):
     """The CUDA-graph runner's bookkeeping on the CPU (a replay runs the step eagerly): graphs keyed by the width,
     packed outputs as wide as it asks, steps run ahead, and the logprobs of eager steps."""

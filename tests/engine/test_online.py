@@ -38,9 +38,9 @@ def stream_text(model: SpecModel, prompt, params: SamplingParams) -> tuple[str, 
     return "".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=40),
-                                    SamplingParams(max_new_tokens=40, temperature=1.0, seed=7)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [  # seeded: five to six seconds on the 2-core machine, in the second CI command
+    pytest.param(SamplingParams(max_new_tokens=40), id="greedy"),
+    pytest.param(SamplingParams(max_new_tokens=40, temperature=1.0, seed=7), id="seeded", marks=pytest.mark.slow)])
 def test_stream_equals_offline_generate(demo, params):
     offline = demo.generate(PROMPTS, params)
     for prompt, expected in zip(PROMPTS, offline):

@@ -122,6 +122,7 @@ def test_sampled_requests_with_seeds_run_ahead_as_in_eager(monkeypatch):
     assert [(o.token_ids, o.stats) for o in in_step] == [(o.token_ids, o.stats) for o in expected]
 
 
+@pytest.mark.slow  # three to four seconds on the 2-core machine, out of the README command for its margin
 def test_prompts_joining_a_graphed_batch_run_beside_its_graph(monkeypatch):
     """A step where new prompts join decoding requests replays the decoders' graph and runs the prompts as an
     eager step of their own: outputs, acceptance and sampled tokens (request seeds) equal an engine without graphs
@@ -180,7 +181,8 @@ def test_prompts_beside_the_graph_keep_a_draft_len_schedule(monkeypatch):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
-@pytest.mark.parametrize("tree", ["static", pytest.param("dynamic", marks=pytest.mark.slow)])
+@pytest.mark.slow  # five to six seconds a tree on the 2-core machine: the second CI command runs both
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_draft_trees_through_the_graph_runner_equal_eager(tree, monkeypatch):
     """A draft tree's step as the graph runner runs it (static buffers padded to buckets, tree runs rotated and
     masked inside the step, steps run ahead on the device's own outputs, a prompt joining the batch run beside its

@@ -208,6 +208,7 @@ def test_kv_under_forced_acceptance_holds_the_fed_drafts(monkeypatch):
 
 # ---- no leaks under pool pressure -----------------------------------------------------------------------------
 
+@pytest.mark.slow  # five to eight seconds on the 2-core machine, out of the README command for its margin
 def test_no_page_leak_under_pool_pressure(monkeypatch):
     target, head = tiny_pair("llama")
     # reservation = prompt + max_new + 2K + 1 = 17..32 tokens = 3..4 pages of 8; 8 real pages hold at most 2

@@ -45,7 +45,7 @@ def sample_pairs(model, temperature, seed, request_seeds=False):
     return counts, outs.stats
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, pytest.param(3, marks=pytest.mark.slow)])  # K = 3: three seconds
 def test_two_token_distribution_matches_target(k):
     target, head = tiny_pair("llama", vocab_size=V, seed=4)
     model = SpecModel.from_pretrained(target, eagle3(head, k), max_batch_size=64)
@@ -63,7 +63,7 @@ def test_plain_sampling_matches_target():
     assert pvalue(counts, exact_joint(target, 0.7)) > 1e-3
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [0, pytest.param(3, marks=pytest.mark.slow)])  # K = 3: four seconds
 def test_per_request_seeds_sample_the_target_distribution(k):
     # every request draws from its own stream (seed i): across requests the pairs still follow the target
     target, head = tiny_pair("llama", vocab_size=V, seed=4)

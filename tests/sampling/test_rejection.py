@@ -92,7 +92,8 @@ def _model(k, max_batch_size=64, draft_vocab_size=None):
     return target, SpecModel.from_pretrained(target, cfg, max_batch_size=max_batch_size)
 
 
-@pytest.mark.parametrize("k,draft_vocab_size", [(1, None), pytest.param(3, None, marks=pytest.mark.slow), (3, 5)])
+@pytest.mark.parametrize("k,draft_vocab_size", [  # K = 3: three to four seconds each, in the second CI command
+    (1, None), pytest.param(3, None, marks=pytest.mark.slow), pytest.param(3, 5, marks=pytest.mark.slow)])
 def test_end_to_end_distribution_with_rejection_sampling(k, draft_vocab_size):
     target, model = _model(k, draft_vocab_size=draft_vocab_size)
     counts, stats = sample_pairs(model, 1.0, seed=k)
@@ -100,6 +101,7 @@ def test_end_to_end_distribution_with_rejection_sampling(k, draft_vocab_size):
     assert stats["acceptance_rate_per_position"][0] > 0.05
 
 
+@pytest.mark.slow  # four seconds on the 2-core machine; the sampled tree's keeps seeds in the README command
 def test_end_to_end_distribution_with_request_seeds():
     target, model = _model(3)
     counts, stats = sample_pairs(model, 1.0, seed=6, request_seeds=True)
@@ -122,8 +124,10 @@ TREES = {"static": dict(eagle_choices=[[0], [1], [2], [0, 0], [1, 0]]),
          "dynamic": dict(use_dynamic_tree=True, dynamic_tree_max_topK=3, max_total_draft_tokens=5)}
 
 
-@pytest.mark.parametrize("request_seeds,tree", [(False, "static"), (True, "static"), (False, "dynamic"),
-                                                (True, "dynamic")])
+@pytest.mark.parametrize("request_seeds,tree", [  # four to five seconds each on the 2-core machine: the README
+    pytest.param(False, "static", marks=pytest.mark.slow),  # command keeps one case, the second CI command the rest
+    pytest.param(True, "static", marks=pytest.mark.slow), pytest.param(False, "dynamic", marks=pytest.mark.slow),
+    (True, "dynamic")])
 def test_end_to_end_distribution_of_a_sampled_tree(request_seeds, tree):
     """A tree of three first drafts (and children) drawn without replacement and verified by recursive rejection
     sampling: the first two emitted tokens (the second through the tree) follow the target's joint distribution.

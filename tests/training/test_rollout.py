@@ -49,6 +49,7 @@ def test_train_draft_with_rollouts_reports_both_heldout_sets():
     assert set(result.summary["heldout_rollouts"]) >= {"loss", "acc0", "acc1", "acc2"}
 
 
+@pytest.mark.slow  # four to five seconds on the 2-core machine, out of the README command for its margin
 def test_rollouts_file_is_written_once_and_reused(tmp_path):
     path = tmp_path / "rollouts.pt"
     settings = dict(steps=1, rollout_sequences=4, rollout_prompt_tokens=8, rollouts_file=str(path))

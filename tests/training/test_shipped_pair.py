@@ -43,7 +43,7 @@ def test_sizes_fit_the_budget():
     assert sum(sizes) <= MAX_BYTES and max(sizes) <= MAX_FILE_BYTES
 
 
-@pytest.mark.parametrize("head", ["eagle3", "mtp"])
+@pytest.mark.parametrize("head", [pytest.param("eagle3", marks=pytest.mark.slow), "mtp"])  # four seconds each
 def test_greedy_speculative_output_equals_target_greedy(head):
     prompts = heldout_prompts(3, 32)
     outs = model(head).generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -51,8 +51,8 @@ def test_greedy_speculative_output_equals_target_greedy(head):
         assert out.token_ids == hf_greedy(ASSETS / "target", prompt, 40)
 
 
-@pytest.mark.parametrize("head", ["eagle3", "mtp"])
-def test_acceptance_clears_the_floor(head):
+@pytest.mark.parametrize("head", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow)])  # the README command
+def test_acceptance_clears_the_floor(head):  # keeps one head of each test
     check = recorded()
     prompts = heldout_prompts(check["num_prompts"], check["prompt_tokens"])
     stats = acceptance(model(head), prompts, check["max_new_tokens"], temperature=0.0)
