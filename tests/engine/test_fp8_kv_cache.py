@@ -17,6 +17,8 @@ from tllm_spec.kernels.fp8_quant import FP8
 from tllm_spec.kernels.kv_write import kv_write_ref
 from tllm_spec.kernels.paged_attention import paged_attention_ref
 
+from .test_fp8_speculation import assert_agrees_up_to_near_ties
+
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
 MAX_NEW = 24
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -69,14 +71,4 @@ def plain() -> GenerationOutputs:
 def test_speculation_over_an_fp8_kv_cache_is_lossless(spec):
     with demo(spec) as model:
         outs = model.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, logprobs=2))
-    agreed = 0
-    for out, alone in zip(outs, plain(), strict=True):
-        assert all(token == max(top, key=top.get) for token, top in zip(out.token_ids, out.top_logprobs))
-        n = next((i for i, (a, b) in enumerate(zip(out.token_ids, alone.token_ids)) if a != b), MAX_NEW)
-        assert max((abs(a - b) for a, b in zip(out.logprobs[:n], alone.logprobs[:n])), default=0.0) < NOISE
-        if n < MAX_NEW:
-            best, second = sorted(alone.top_logprobs[n].values(), reverse=True)
-            assert best - second < NOISE, (n, alone.top_logprobs[n])
-        agreed += n
-    assert agreed >= len(PROMPTS) * MAX_NEW * 3 / 4
-    assert sum(outs.stats["histogram"][1:]) > 0  # some step accepted a draft
+    assert_agrees_up_to_near_ties(outs, plain(), NOISE, min_agreed=len(PROMPTS) * MAX_NEW * 3 / 4)
