@@ -42,7 +42,7 @@ def _operands(rows: int, n: int, k: int, scales: str, seed: int, dtype=torch.bfl
 
 
 @pytest.mark.parametrize("mode", ["token", "bound", "static", "group"])
-@pytest.mark.parametrize("rows,k", [(1, 4096), (7, 14336), (64, 384), (3, 256), (200, 1024)])
+@pytest.mark.parametrize("rows,k", [(1, 4096), (7, 14336), (64, 384), (3, 256), (200, 1024), (2, 20480)])
 def test_quantization_kernel_matches_reference_bitwise(mode, rows, k):
     x = torch.randn(rows, k, device="cuda").bfloat16() * torch.rand(rows, 1, device="cuda").bfloat16() * 8
     x[0, :5] = 0.0
