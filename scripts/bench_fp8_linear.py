@@ -1,5 +1,5 @@
-"""Weight-read speed of FP8 projections for a decoding step's few rows: tllm_spec's FP8 kernel (activation
-quantization fused) over a grid of tiles, against the bf16 skinny-GEMM kernel on the same shapes.
+"""Weight-read speed of FP8 projections for a decoding step's few rows: tllm_spec's FP8 kernel (with its
+activation quantization kernel in front) over a grid of tiles, against the bf16 skinny-GEMM kernel on the same shapes.
 
 Timing as ``bench_skinny_linear.py`` (weight copies > 4x L2, one CUDA graph per variant). GB/s counts the bytes
 each variant must read (FP8: 1 byte per weight; bf16: 2), so the FP8 kernel at the bf16 kernel's GB/s is 2x faster.
@@ -7,6 +7,7 @@ each variant must read (FP8: 1 byte per weight; bf16: 2), so the FP8 kernel at t
     python3 scripts/bench_fp8_linear.py --rows 1 4 16 32 64 --out fp8_linear.json
     python3 scripts/bench_fp8_linear.py --rows 1 4 --tiles chosen --block   # tile_config only, block scales too
     python3 scripts/bench_fp8_linear.py --rows 16 32 48 64 --tiles chosen --cublas  # where cuBLASLt takes over
+    python3 scripts/bench_fp8_linear.py --rows 1 8 --tiles chosen --prefetch 0 512 1024 2048  # the L2 prefetch
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--block", action="store_true", help="also 128x128 block scales (fine-grained checkpoints)")
     p.add_argument("--cublas", action="store_true", help="also the path above MAX_ROWS (activation quantization, "
                    "then torch._scaled_mm / cuBLASLt with row-wise scales) at the same rows")
+    p.add_argument("--prefetch", type=int, nargs="+", help="the chosen tile with each of these bytes of every "
+                   "weight row asked of L2 before the kernel's wait (fp8_{channel,block}_prefetch_<bytes>_gbps)")
     p.add_argument("--out", default="fp8_linear.json")
     args = p.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "shape": args.shape, "rows_data": []}
@@ -64,6 +67,9 @@ def main() -> None:
             row[f"fp8_{key}_chosen"] = list(tile_config(n, k, rows, block))
             row[f"fp8_{key}_chosen_gbps"] = speeds.get(tile_config(n, k, rows, block))
             row[f"fp8_{key}_best"], row[f"fp8_{key}_best_gbps"] = list(best), speeds[best]
+            for nbytes in args.prefetch or []:
+                t = time_per_call(lambda w: fp8_linear(x, w, ws, block_scales=block, prefetch=nbytes), weights)
+                row[f"fp8_{key}_prefetch_{nbytes}_gbps"] = n * k / t / 1e9
         if args.cublas:
             t = time_per_call(lambda w: _cublas(x, w, scales, None, None, None, False, None), weights)
             row["fp8_cublas_gbps"] = n * k / t / 1e9

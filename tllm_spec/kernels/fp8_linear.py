@@ -37,6 +37,11 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 # Triton kernel reads 1.0-1.2x faster than cuBLASLt, at 48 and 64 rows cuBLASLt 1.1-1.2x faster (gate/up at 64 rows:
 # 2129 against 1776 GB/s); the batch-64 plain step 6.62 -> 5.91 ms with this bound at 32 rather than 64.
 MAX_ROWS = 32
+# Bytes of each weight row a program asks L2 for before it waits for the kernel in front (dependent_launch): that
+# kernel (the activation quantization, a norm) is all latency and leaves the memory system idle meanwhile. On an
+# H100 (scripts/bench_fp8_linear.py --rows 1 8 --tiles chosen --prefetch 0 512 1024 2048 4096), 512 reads 2-4 %
+# faster than none at 1 row on every 8B projection (o 1594 -> 1652 GB/s); 2048 and more are slower than none.
+PREFETCH_BYTES = 512
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None = None
@@ -100,9 +105,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                gated: bool = False, residual: torch.Tensor | None = None,
-               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+               config: tuple[int, int, int, int] | None = None, prefetch: int | None = None) -> torch.Tensor:
     """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`;
-    ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton kernel, default :func:`tile_config`."""
+    ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton kernel, default :func:`tile_config`;
+    ``prefetch``: bytes of each weight row asked of L2 before the wait, default PREFETCH_BYTES."""
     if not supports(x, weight, block_scales):
         return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
     rows = x.shape[0]
@@ -114,14 +120,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     tile_rows = padded_rows(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch.launches_dependent(x)
+    prefetch = min(triton.next_power_of_2(k), PREFETCH_BYTES if prefetch is None else prefetch) if pdl else 0
+    prefetch = prefetch if prefetch >= 128 else 0  # whole 128-byte lines
     grid = (triton.cdiv(rows, tile_rows), triton.cdiv(out.shape[1], block_n // 2 if gated else block_n))
     _fp8_linear_kernel[grid](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale,
         residual if residual is not None else out, out, rows, out.shape[1], k, x_scale.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0), weight_scale.stride(0) if block_scales else 0,
         HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, BLOCK_SCALES=block_scales,
-        ROWS=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        **dependent_launch.launch_options(pdl))
+        ROWS=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, **dependent_launch.launch_options(pdl))
     return out
 
 
@@ -155,19 +163,20 @@ def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale
 
 
 if triton is not None:
-    from .dependent_launch import wait_and_release
+    from .dependent_launch import prefetch_l2, wait_and_release
     from .skinny_linear import store_rows, swiglu_pairs
 
     @triton.jit
     def _fp8_linear_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xs, stride_ym,
                            stride_rm, stride_ws, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                            HAS_RESIDUAL: tl.constexpr, BLOCK_SCALES: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
         """One program: output features [pid_n * BLOCK_N, +BLOCK_N) (GATED: gate row f and up row N + f
         interleaved, as in the bf16 kernel) of rows [pid_m * ROWS, +ROWS), the whole of K (axis 0 of the grid is
         the row tile: the programs of one weight tile run next to each other). q: the FP8 rows [M, K], xs their
         scales [M, 1] or [M, K / 128] (BLOCK_SCALES, BLOCK_K = 128: each K tile's partial product scaled by its
-        activation group's and weight block's scales)."""
+        activation group's and weight block's scales). PREFETCH: bytes of each weight row asked of L2 before
+        the wait (PDL)."""
         pid_n = tl.program_id(1)
         offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
@@ -182,6 +191,9 @@ if triton is not None:
         mask_m = offs_m < M
         q_rows = q_ptr + offs_m[:, None].to(tl.int64) * K
         w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
+        if PREFETCH > 0:
+            lines = tl.arange(0, PREFETCH // 128) * 128
+            prefetch_l2(w_rows + lines[None, :], mask_n[:, None] & (lines < K)[None, :])
         if PDL:
             wait_and_release()
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
