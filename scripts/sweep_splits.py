@@ -5,6 +5,7 @@ time per call and its share of the bandwidth, beside the automatic choice; with 
     python scripts/sweep_splits.py --query-len 26 --contexts 256 2048 --batches 1 --splits 1 --tiles auto 128x4 64x8
     python scripts/sweep_splits.py --query-len 32 --contexts 256 2048 --batches 1 8 --splits 1 \
         --program-rows 16 32 128 --tree
+    python scripts/sweep_splits.py --contexts 32768 --batches 1 --kv-fp8 --tiles auto 64x4 128x4 128x8
 """
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def main() -> None:
     p.add_argument("--program-rows", type=int, nargs="+", default=[0],
                    help="query rows per program at most (a wider run is cut into row blocks); 0: the kernel's own")
     p.add_argument("--tree", action="store_true", help="through the draft-tree path (a mask that hides nothing)")
+    p.add_argument("--kv-fp8", action="store_true", help="an FP8 (E4M3) cache: half the bytes per key")
     p.add_argument("--bandwidth", type=float, default=4.1e12, help="bytes/s the fractions are taken of")
     args = p.parse_args()
     device = torch.device("cuda")
     for batch in args.batches:
         for context in args.contexts:
-            shape = VerifyShape(batch, context, args.query_len)
+            shape = VerifyShape(batch, context, args.query_len, dtype_bytes=1 if args.kv_fp8 else 2)
             inputs = make_inputs(shape, device, copies_for(shape))
             for tile, rows in itertools.product(args.tiles, args.program_rows):
                 run_rows = shape.query_len * shape.num_q_heads // shape.num_kv_heads

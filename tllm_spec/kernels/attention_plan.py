@@ -1,7 +1,8 @@
 """How a paged-attention launch is shaped, decided on the host when a step is built or a CUDA graph captured: the
 KV splits of each run (split-KV where the (run, KV head) programs do not fill the GPU) and the query rows a program
 takes (a draft tree's run is cut into row blocks). Both are runtime arguments of the kernels, so a new choice
-compiles nothing."""
+compiles nothing. The program's tile (keys per iteration, warps) is a compile-time choice of the kernel
+(:func:`attention_tile`)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,10 @@ MIN_KEYS_PER_SPLIT = 256  # a chunk shorter than this costs more in merging than
 MAX_KEYS_PER_SPLIT = 2048
 PROGRAM_ROWS = (16, 32)  # query rows a program may take: a wider run (a draft tree's) is cut into row blocks
 PROGRAMS_PER_SM = 2  # two programs per SM hide each other's memory latency
+BLOCK_N = 128  # keys per loop iteration of a program with few query rows (attention_tile)
+NUM_WARPS = 4
+WIDE_ROWS = 64  # from this many query rows a program (a draft tree's run) takes WIDE_TILE
+WIDE_TILE = (64, 8)  # (keys per iteration, warps): its score and output tiles stay in registers
 MAX_GRID_WAVES = 4  # a launch's split grid covers at most this many waves: the programs of splits a short run
 # does not use still take an SM slot each (batch 8, 2k keys: an EAGLE-3 step took 8.18 ms in a grid of 64 splits,
 # sized for a 128k bound, and 6.93 ms in one of 17, for 32k; two H200 runs, scripts/benchmark.py --context)
@@ -55,3 +60,13 @@ def choose_program_rows(run_rows: int, num_programs: int, num_sms: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere, e.g. the interpreter: no split unless asked)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def attention_tile(rows_pad: int) -> tuple[int, int]:
+    """(keys per iteration, warps) of a program with ``rows_pad`` query rows (query tokens x the query heads of
+    one KV head, padded): BLOCK_N keys and NUM_WARPS warps for a chain's few rows; from WIDE_ROWS (a draft
+    tree's 26 tokens x 4 heads pad to 128) fewer keys and more warps, where 128 x 128 fp32 score and output
+    tiles on four warps would spill registers."""
+    if rows_pad < WIDE_ROWS:
+        return BLOCK_N, NUM_WARPS
+    return min(BLOCK_N, WIDE_TILE[0]), WIDE_TILE[1]

@@ -22,16 +22,12 @@ import torch
 from .. import kernels
 from . import dependent_launch
 from .attention_merge import MAX_SPLITS, NO_MAX_CHUNK, merge_splits
-from .attention_plan import (MAX_KEYS_PER_SPLIT, MIN_KEYS_PER_SPLIT, choose_num_splits, choose_program_rows, num_sms,
-                             wave_splits)
+from .attention_plan import (MAX_KEYS_PER_SPLIT, MIN_KEYS_PER_SPLIT, attention_tile, choose_num_splits,
+                             choose_program_rows, num_sms, wave_splits)
 from .kv_write import kv_write_ref
 
-BLOCK_N = 128  # keys per loop iteration of a program with few query rows (attention_tile)
 TREE_WINDOW = 63  # a tree token's mask covers the 63 positions up to its own (the int64's non-sign bits)
 NUM_STAGES = 3  # key blocks in flight per program (software pipelining of the key loop)
-NUM_WARPS = 4
-WIDE_ROWS = 64  # from this many query rows a program (a draft tree's run) takes WIDE_TILE
-WIDE_TILE = (64, 8)  # (keys per iteration, warps): its score and output tiles stay in registers
 PREFETCH_BLOCKS = 2  # key blocks whose cached K/V a dependent launch asks L2 for before its wait
 _ELEMENTS_PER_CHUNK = 1 << 24  # bounds the gathered K/V of the reference to ~64 MB in fp32
 
@@ -118,7 +114,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     :func:`choose_num_splits` for the bound, of which each run uses what :func:`wave_splits` and its own length
     give; 1: the unsplit kernel).
     ``tree_mask``: a draft tree's visibility (:func:`paged_attention_ref`), [T] int64, read per query row.
-    ``k_scale``, ``v_scale``: as the reference's; the kernel reads an FP8 cache's keys and values in q's dtype.
+    ``k_scale``, ``v_scale``: as the reference's; the kernel widens an FP8 cache's keys and values to fp16 (bf16 q too).
     ``tile``: (keys per iteration, warps) of a program (None: :func:`attention_tile`; for benchmarks).
     ``program_rows``: query rows per program at most (None: :func:`choose_program_rows` for a draft tree's run,
     one program for any other run; for benchmarks). A run of more rows (query_len x the query heads of a KV head)
@@ -170,22 +166,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         QUERY_LEN_PAD=triton.next_power_of_2(query_len), ROWS_PAD=rows_pad, ROW_BLOCKS=row_blocks, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=block_n, MIN_CHUNK=MIN_KEYS_PER_SPLIT, PDL=pdl,
         MAX_CHUNK=max_chunk, NUM_STAGES=NUM_STAGES, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOTS=k_cache.element_size() == 1 and q.dtype == torch.bfloat16,
         PREFETCH_BLOCKS=PREFETCH_BLOCKS if pdl else 0, KV_LINE=128 // k_cache.element_size(), num_warps=num_warps,
         **dependent_launch.launch_options(pdl))
     if num_splits > 1:
         merge_splits(part_acc, part_ml, positions, out, query_len, sliding_window or 0, block_n,
                      MIN_KEYS_PER_SPLIT, pdl, wave, max_chunk)
     return out if v_scale == 1.0 else out.mul_(v_scale)
-
-
-def attention_tile(rows_pad: int) -> tuple[int, int]:
-    """(keys per iteration, warps) of a program with ``rows_pad`` query rows (query tokens x the query heads of
-    one KV head, padded): BLOCK_N keys and NUM_WARPS warps for a chain's few rows; from WIDE_ROWS (a draft
-    tree's 26 tokens x 4 heads pad to 128) fewer keys and more warps, where 128 x 128 fp32 score and output
-    tiles on four warps would spill registers."""
-    if rows_pad < WIDE_ROWS:
-        return BLOCK_N, NUM_WARPS
-    return min(BLOCK_N, WIDE_TILE[0]), WIDE_TILE[1]
 
 
 if triton is not None:
@@ -206,7 +193,7 @@ if triton is not None:
                                 ROWS_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                                 MIN_CHUNK: tl.constexpr, MAX_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
                                 PDL: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, KV_LINE: tl.constexpr):
         """One program per (run of QUERY_LEN query tokens of one request and block of its rows, KV head, KV
         split). A run's rows are the QUERY_LEN x GROUP query heads sharing that KV head (row r: token r // GROUP,
@@ -264,6 +251,8 @@ if triton is not None:
         heads = (kv_head * GROUP + rows % GROUP) * HEAD_DIM
         q = tl.load(q_ptr + (token.to(tl.int64) * q_stride_t + heads)[:, None] + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if F16_DOTS:  # FP8 pages widen to fp16 in one instruction a pair (to bf16 in several); q scaled first
+            q = (q.to(tl.float32) * scale).to(tl.float16)
         m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS_PAD], tl.float32)
         acc = tl.zeros([ROWS_PAD, HEAD_DIM_PAD], tl.float32)
@@ -283,7 +272,9 @@ if triton is not None:
             kv_mask = in_run[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             v = tl.load(v_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # FP8 cache
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)
+            if not F16_DOTS:
+                s = s * scale
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet

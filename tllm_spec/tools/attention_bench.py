@@ -48,7 +48,7 @@ class VerifyShape:
     num_kv_heads: int = 8
     head_dim: int = 128
     page_size: int = 16
-    dtype_bytes: int = 2  # bf16
+    dtype_bytes: int = 2  # bf16 (1: an FP8 cache)
 
     @property
     def kv_len(self) -> int:
@@ -91,8 +91,9 @@ def make_inputs(shape: VerifyShape, device: torch.device, copies: int, seed: int
     b, n, dt = shape.batch, shape.query_len, torch.bfloat16
     num_pages = b * shape.pages_per_request
     cache_shape = (num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
-    caches = [(torch.randn(cache_shape, device=device, dtype=dt), torch.randn(cache_shape, device=device, dtype=dt))
-              for _ in range(copies)]
+    cache_dt = torch.float8_e4m3fn if shape.dtype_bytes == 1 else dt  # an FP8 cache: one byte per element
+    caches = [(torch.randn(cache_shape, device=device, dtype=dt).to(cache_dt),
+               torch.randn(cache_shape, device=device, dtype=dt).to(cache_dt)) for _ in range(copies)]
     block_tables = torch.randperm(num_pages, device=device).to(torch.int32).view(b, shape.pages_per_request)
     return VerifyInputs(torch.randn(b * n, shape.num_q_heads, shape.head_dim, device=device, dtype=dt), caches,
                         block_tables, torch.arange(b, device=device).repeat_interleave(n),
