@@ -118,7 +118,8 @@ def parse_args() -> argparse.Namespace:
                    "k drafts accept sum_i a^i on average (0.7 gives 1.53 of 3)")
     p.add_argument("--quantization", choices=["fp8"], help="the target quantized online (random weights, per-channel "
                    "FP8, dynamic per-token activations; the head stays bf16), measured beside the bf16 target in "
-                   "the same run (its plain points at every batch, EAGLE-3 at K of K forced)")
+                   "the same run (its plain points at every batch, EAGLE-3 at K of K forced); with --context the "
+                   "target of every point (no bf16 target beside)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the KV pool in E4M3 "
                    "(scales 1.0), measured beside a bf16 pool in the same run (with --quantization: the bf16 "
                    "variant has both); with --context each point with each pool")

@@ -36,6 +36,7 @@ class ContextRun:
     attention_backends: list[str]
     attention_only: bool
     kv_cache_dtypes: tuple[str, ...] = ("auto",)  # each point per KV pool dtype ("auto" = the target's bf16)
+    quantization: str | None = None  # the target quantized online ("fp8"), its weights read as stored
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +75,7 @@ def context_run(args: argparse.Namespace) -> ContextRun:
     kv = ("auto", "fp8") if getattr(args, "kv_cache_dtype", "auto") == "fp8" else ("auto",)  # fp8: bf16 beside
     return ContextRun(args.shape, args.batches, args.context, args.max_draft_len, args.new_tokens,
                       args.kv_cache_fraction, args.max_prefill_tokens, not args.no_compile, args.attention_backends,
-                      args.attention_only, kv)
+                      args.attention_only, kv, getattr(args, "quantization", None))
 
 
 def run_context_benchmark(run: ContextRun, out: Path, json_copy: Path | None = None) -> dict:
@@ -87,7 +88,8 @@ def run_context_benchmark(run: ContextRun, out: Path, json_copy: Path | None = N
     bandwidth = measure_bandwidth(device)
     log(f"bandwidth: GEMV {bandwidth['gemv'] / 1e12:.2f} TB/s, read {bandwidth['read'] / 1e12:.2f} TB/s")
     results = {"kind": "context", "gpu": torch.cuda.get_device_name(device), "shape": run.shape, "k": run.k,
-               "dtype": "bfloat16", "date": time.strftime("%Y-%m-%d"), "new_tokens": run.new_tokens,
+               "dtype": "bfloat16", "quantization": run.quantization, "date": time.strftime("%Y-%m-%d"),
+               "new_tokens": run.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "kv_cache_fraction": run.kv_cache_fraction,
                "max_prefill_tokens": run.max_prefill_tokens, "compile_step": run.compile_step, "kv_pool": None,
                "points": [], "attention": []}
@@ -118,6 +120,8 @@ def _decode_points(run: ContextRun, bandwidth: float, results: dict, save: Calla
                    log: Callable[[str], None]) -> None:
     """Each mode's points (the first of a mode also pays for building, compiling and capturing its model)."""
     target = random_target(run.shape)
+    if run.quantization:
+        target.quantize(run.quantization)
     plan = plan_for(target, run.batches, run.contexts, run.new_tokens, run.k, run.kv_cache_fraction,
                     run.max_prefill_tokens)
     results["kv_pool"] = {"num_pages": plan.num_pages, "max_seq_len": plan.max_seq_len,
