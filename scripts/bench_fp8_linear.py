@@ -24,13 +24,16 @@ from tllm_spec.kernels.skinny_linear import skinny_linear
 
 GRID = [c for c in itertools.product((32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
         if c[0] * c[1] * c[3] <= 160 * 1024]  # BLOCK_N, BLOCK_K, warps, stages; FP8 weight tiles fit in smem
+NARROW = [c for c in itertools.product((16, 32), (512, 1024, 2048), (2, 4), (2, 3, 4))
+          if c[0] * c[1] * c[3] <= 160 * 1024]  # few output features: more, narrower programs
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--tiles", choices=["grid", "chosen"], default="grid")
+    p.add_argument("--tiles", choices=["grid", "narrow", "chosen"], default="grid")
+    p.add_argument("--proj", nargs="+", help="only these projections (qkv, o, gate_up, down, eagle3_fc)")
     p.add_argument("--block", action="store_true", help="also 128x128 block scales (fine-grained checkpoints)")
     p.add_argument("--cublas", action="store_true", help="also the path above MAX_ROWS (activation quantization, "
                    "then torch._scaled_mm / cuBLASLt with row-wise scales) at the same rows")
@@ -40,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "shape": args.shape, "rows_data": []}
     for (proj, n, k), rows in itertools.product(SHAPES[args.shape], args.rows):
-        if proj.endswith("lm_head"):
+        if proj.endswith("lm_head") or (args.proj and proj not in args.proj):
             continue  # lm_heads stay bf16
         copies = max(2, int(4 * 50e6 / (n * k)) + 1)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -53,7 +56,7 @@ def main() -> None:
         for block in (False, True) if args.block else (False,):
             ws = torch.rand(n // 128, k // 128, device="cuda") * 1e-2 if block else scales
             grid = [tile_config(n, k, rows, block)] if args.tiles == "chosen" else [
-                c for c in GRID if not block or c[1] == 128]
+                c for c in (NARROW if args.tiles == "narrow" else GRID) if not block or c[1] == 128]
             speeds = {}
             for config in grid:
                 try:
@@ -67,6 +70,7 @@ def main() -> None:
             row[f"fp8_{key}_chosen"] = list(tile_config(n, k, rows, block))
             row[f"fp8_{key}_chosen_gbps"] = speeds.get(tile_config(n, k, rows, block))
             row[f"fp8_{key}_best"], row[f"fp8_{key}_best_gbps"] = list(best), speeds[best]
+            row[f"fp8_{key}_all_gbps"] = {"x".join(map(str, c)): gbps for c, gbps in speeds.items()}
             for nbytes in args.prefetch or []:
                 t = time_per_call(lambda w: fp8_linear(x, w, ws, block_scales=block, prefetch=nbytes), weights)
                 row[f"fp8_{key}_prefetch_{nbytes}_gbps"] = n * k / t / 1e9

@@ -70,6 +70,16 @@ def test_kernel_matches_reference(scales, n, k, rows):
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("n,k", [(4096, 14336), (4096, 4096), (6144, 4096)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(n, k):
+    """A verify step's row equals the plain step's (the greedy lossless invariant) up to MAX_ROWS rows, whatever
+    tile the row count picks."""
+    x, w, ws, _ = _operands(MAX_ROWS, n, k, "channel", seed=3)
+    alone = fp8_linear(x[:1], w, ws)
+    for rows in (2, 4, 16, 17, 26, MAX_ROWS):
+        assert torch.equal(fp8_linear(x[:rows], w, ws)[:1], alone), rows
+
+
 def test_fp32_activations_and_op_under_compile():
     x, w, ws, _ = _operands(4, 256, 512, "channel", seed=1, dtype=torch.float32)
     torch.testing.assert_close(fp8_linear(x, w, ws), fp8_linear_ref(x, w, ws), atol=1e-4, rtol=1e-4)

@@ -76,13 +76,14 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows, from
-    ``scripts/bench_fp8_linear.py`` on an H100 (Llama-3.1-8B shapes): few output features (o, down) want long K
-    tiles (1 KB of each weight row per stage; 512 B with a 32-row tile, whose activation tile is as large), many
-    (qkv, gate/up) 512 B. Block scales fix BLOCK_K at the block's 128."""
+    ``scripts/bench_fp8_linear.py`` on an H100 (Llama-3.1-8B shapes): many output features (qkv, gate/up) 512 B
+    of each weight row per stage on four warps; few (o, down, the EAGLE-3 fc) two warps four stages deep, in 1 KB
+    tiles over a long K with the 16-row tile (``--tiles narrow``: down at 8 rows 1816 -> 2153 GB/s, o at 16 rows
+    1452 -> 1733 against four warps three deep). Block scales fix BLOCK_K at the block's 128."""
     if block_scales:
         return (32 if n <= 4096 else 64), GROUP, 4, 4
     if n <= 4096:
-        return 32, (1024 if rows <= 16 else 512), 4, 3
+        return 32, (1024 if rows <= 16 and k >= 8192 else 512), 2, 4
     return 64, 512, 4, 3
 
 
