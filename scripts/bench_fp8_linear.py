@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench_skinny_linear import SHAPES, time_per_call
-from tllm_spec.kernels.fp8_linear import FP8, _cublas, fp8_linear, tile_config
+from tllm_spec.kernels.fp8_linear import FP8, _cublas, fp8_linear, quantize_activation, tile_config
 from tllm_spec.kernels.skinny_linear import skinny_linear
 
 GRID = [c for c in itertools.product((32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
@@ -75,7 +75,8 @@ def main() -> None:
                 t = time_per_call(lambda w: fp8_linear(x, w, ws, block_scales=block, prefetch=nbytes), weights)
                 row[f"fp8_{key}_prefetch_{nbytes}_gbps"] = n * k / t / 1e9
         if args.cublas:
-            t = time_per_call(lambda w: _cublas(x, w, scales, None, None, None, False, None), weights)
+            t = time_per_call(lambda w: _cublas(*quantize_activation(x), w, scales, None, x.dtype, False, None),
+                              weights)
             row["fp8_cublas_gbps"] = n * k / t / 1e9
         results["rows_data"].append(row)
         print(json.dumps(row))

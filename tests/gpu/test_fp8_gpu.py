@@ -13,6 +13,7 @@ from tllm_spec.engine.runner import _auto_num_pages
 from tllm_spec.kernels.fp8_quant import quantize_activation, quantize_activation_ref
 from tllm_spec.kernels.kv_write import kv_write, kv_write_ref
 from tllm_spec.kernels.paged_attention import paged_attention, paged_attention_ref
+from tllm_spec.kernels.rms_norm import rms_norm, rms_norm_fp8
 from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.spec_model import SpecModel
 
@@ -68,6 +69,22 @@ def test_kernel_matches_reference(scales, n, k, rows):
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape
         # both quantize x to the same bits; they differ in the order of the fp32 sums and in bf16 roundings
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("scale_ub", [None, 3.0])
+@pytest.mark.parametrize("rows,width", [(1, 4096), (4, 192), (33, 5120)])
+def test_the_norms_fp8_rows_are_the_quantization_kernels_bitwise(rows, width, scale_ub):
+    """rms_norm_fp8 (the norm's kernel writing FP8 rows) = rms_norm then quantize_activation, bit for bit, and the
+    GEMM gives the same result from either."""
+    x = torch.randn(rows, width, device="cuda").bfloat16() * 4
+    weight = torch.rand(width, device="cuda").bfloat16() + 0.5
+    q, scale = rms_norm_fp8(x, weight, 1e-5, scale_ub)
+    normed = rms_norm(x, weight, 1e-5)
+    q_ref, scale_ref = quantize_activation(normed, scale_ub=scale_ub)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    _, w, ws, _ = _operands(1, 256, width, "channel", seed=width)
+    assert torch.equal(fp8_linear(q, w, ws, scale_ub=scale_ub, x_scale=scale, out_dtype=x.dtype),
+                       fp8_linear(normed, w, ws, scale_ub=scale_ub))
 
 
 @pytest.mark.parametrize("n,k", [(4096, 14336), (4096, 4096), (6144, 4096)])

@@ -15,8 +15,9 @@ from tllm_spec.kernels.fp8_linear import (
     fp8_linear_ref,
     quantize_activation,
 )
-from tllm_spec.model.layers import fuse_linears, linear
-from tllm_spec.model.quant.linear import Fp8Linear, quantize_linears
+from tllm_spec.kernels.rms_norm import rms_norm_fp8_op, rms_norm_ref
+from tllm_spec.model.layers import fuse_linears, linear, norm_for
+from tllm_spec.model.quant.linear import Fp8Linear, QuantizedRows, quantize_linears
 
 
 def test_dynamic_per_token_quantization_uses_each_rows_maximum():
@@ -64,6 +65,32 @@ def test_op_passes_opcheck(bias):
     checks = ("test_faketensor", "test_aot_dispatch_dynamic")  # the schema check multiplies FP8 inputs on the CPU
     torch.library.opcheck(fp8_linear_op, args, test_utils=checks)
     torch.library.opcheck(fp8_linear_op, args, dict(gated=True), test_utils=checks)
+    x_q, x_scale = quantize_activation(args[0])
+    torch.library.opcheck(fp8_linear_op, (x_q, *args[1:]), dict(x_scale=x_scale, out_dtype=torch.float32),
+                          test_utils=checks)
+
+
+@pytest.mark.parametrize("scale_ub", [None, 0.5])
+def test_rows_quantized_by_the_norm_give_the_same_projection(scale_ub):
+    """The RMSNorm's FP8 output (rms_norm_fp8: the norm, then the per-token quantization) into the GEMM is the
+    norm's bf16 rows quantized by the GEMM itself, bit for bit; a layer with static or block scales never takes it."""
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(64, eps=1e-6).bfloat16()
+    norm.weight.data.uniform_(0.5, 1.5)
+    layer = Fp8Linear.quantize(nn.Linear(64, 48).bfloat16())
+    layer.scale_ub = scale_ub
+    x = torch.randn(5, 64).bfloat16() * 3
+    q, scale = rms_norm_fp8_op(x, norm.weight, 1e-6, scale_ub)
+    assert (q.dtype, scale.shape) == (FP8, (5, 1))
+    expected = layer.project(rms_norm_ref(x, norm.weight, 1e-6))
+    assert torch.equal(layer.project(QuantizedRows(q, scale, x.dtype)), expected)
+    norm.variance_epsilon = 1e-6
+    assert isinstance(norm_for(x, norm, layer), QuantizedRows) and layer.quantizes_per_token
+    static = Fp8Linear(layer.weight, layer.weight_scale, input_scale=torch.tensor([0.01]))
+    assert torch.equal(norm_for(x, norm, static), rms_norm_ref(x, norm.weight, 1e-6))
+    with pytest.raises(ValueError, match="one scale per row"):
+        fp8_linear_ref(q, layer.weight, layer.weight_scale, x_scale=scale)  # no out_dtype
+    torch.library.opcheck(rms_norm_fp8_op, (x, norm.weight, 1e-6, scale_ub), test_utils=("test_faketensor",))
 
 
 def test_fused_projections_keep_each_parts_scales():

@@ -58,20 +58,33 @@ def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block: t
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                    input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
-                   gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                   gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle). x [M, K] (any float dtype); weight FP8 [N, K]; weight_scale
     fp32 [N], or [ceil(N/128), ceil(K/128)] with ``block_scales`` (the activation then quantized per 128 columns);
     ``input_scale``: a static activation scale; bias [N] -> y [M, N] in x's dtype (``gated``: silu(y[:, :N/2]) *
-    y[:, N/2:] [M, N/2]; ``residual``: plus it, rounded as eager torch's ``residual + y``)."""
-    group = GROUP if block_scales else 0
-    x_q, x_scale = quantize_activation_ref(x, input_scale, group, scale_ub)
+    y[:, N/2:] [M, N/2]; ``residual``: plus it, rounded as eager torch's ``residual + y``). ``x_scale`` [M, 1]:
+    x is FP8 already, quantized per token with these scales (:func:`~.rms_norm.rms_norm_fp8`), and y is
+    ``out_dtype``."""
+    x_q, x_scale, dtype = _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub,
+                                      quantize_activation_ref)
     rows, cols = x.shape
     x_dq = (x_q.float().view(rows, x_scale.shape[1], -1) * x_scale[..., None]).view(rows, cols)
     w_dq = dequantize_weight(weight, weight_scale, (GROUP, GROUP) if block_scales else None)
-    y = F.linear(x_dq, w_dq, None if bias is None else bias.float()).to(x.dtype)
+    y = F.linear(x_dq, w_dq, None if bias is None else bias.float()).to(dtype)
     if gated:
         y = silu_mul_ref(y)
     return y if residual is None else residual + y
+
+
+def _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub, quantize):
+    """(FP8 rows, their scales, the result's dtype): x quantized by ``quantize`` as the scheme says, or as given."""
+    if x_scale is None:
+        return (*quantize(x, input_scale, GROUP if block_scales else 0, scale_ub), x.dtype)
+    if x.dtype != FP8 or out_dtype is None or block_scales or x_scale.shape != (x.shape[0], 1):
+        raise ValueError("fp8_linear: quantized rows come as FP8 with one scale per row [M, 1] and an out_dtype, "
+                         "for channel-scaled weights")
+    return x, x_scale, out_dtype
 
 
 def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
@@ -99,27 +112,30 @@ def padded_rows(rows: int) -> int:
 def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
     """Whether :func:`fp8_linear` runs a kernel (Triton or cuBLASLt) for these operands, not the reference."""
     return (kernels.runs_kernel(x) and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32, FP8)
             and (not block_scales or x.shape[1] % GROUP == 0))
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
-               gated: bool = False, residual: torch.Tensor | None = None,
-               config: tuple[int, int, int, int] | None = None, prefetch: int | None = None) -> torch.Tensor:
+               gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int] | None = None,
+               prefetch: int | None = None) -> torch.Tensor:
     """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`;
     ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton kernel, default :func:`tile_config`;
     ``prefetch``: bytes of each weight row asked of L2 before the wait, default PREFETCH_BYTES."""
     if not supports(x, weight, block_scales):
-        return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
+        return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual,
+                              x_scale, out_dtype)
+    x_q, x_scale, dtype = _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub,
+                                      quantize_activation)
     rows = x.shape[0]
-    if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(x, weight):
-        return _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual)
+    if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(dtype, weight):
+        return _cublas(x_q, x_scale, weight, weight_scale, bias, dtype, gated, residual)
     n, k = weight.shape
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
-    x_q, x_scale = quantize_activation(x, input_scale, GROUP if block_scales else 0, scale_ub)
     tile_rows = padded_rows(rows)
-    out = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n // 2 if gated else n, dtype=dtype, device=x.device)
     pdl = dependent_launch.launches_dependent(x)
     prefetch = min(triton.next_power_of_2(k), PREFETCH_BYTES if prefetch is None else prefetch) if pdl else 0
     prefetch = prefetch if prefetch >= 128 else 0  # whole 128-byte lines
@@ -134,17 +150,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out
 
 
-def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _scaled_mm_fits(dtype: torch.dtype, weight: torch.Tensor) -> bool:
     """cuBLASLt's FP8 GEMM wants 16-aligned sizes and a half-precision output."""
-    return x.dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    return dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-def _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residual) -> torch.Tensor:
-    """Many rows, channel scales: the quantization kernel, then cuBLASLt with row-wise scales (fp32 [M, 1] x
+def _cublas(x_q, x_scale, weight, weight_scale, bias, dtype, gated, residual) -> torch.Tensor:
+    """Many rows, channel scales: the quantized rows through cuBLASLt with row-wise scales (fp32 [M, 1] x
     [1, N])."""
-    x_q, x_scale = quantize_activation(x, input_scale, 0, scale_ub)
     y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float().reshape(1, -1),
-                         bias=bias, out_dtype=x.dtype)
+                         bias=bias, out_dtype=dtype)
     if gated:
         y = silu_mul_ref(y)
     return y if residual is None else residual + y
@@ -153,14 +168,18 @@ def _cublas(x, weight, weight_scale, bias, input_scale, scale_ub, gated, residua
 @torch.library.custom_op("tllm_spec::fp8_linear", mutates_args=())
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                   input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
-                  gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`fp8_linear` as a torch op (opaque to torch.compile). x [M, K] -> [M, N] (gated: N/2)."""
-    return fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual)
+    return fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual, x_scale,
+                      out_dtype)
 
 
 @fp8_linear_op.register_fake
-def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale_ub=None, gated=False, residual=None):
-    return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
+def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale_ub=None, gated=False, residual=None,
+      x_scale=None, out_dtype=None):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0],
+                       dtype=x.dtype if x_scale is None else out_dtype)
 
 
 if triton is not None:

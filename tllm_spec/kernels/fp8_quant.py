@@ -96,7 +96,7 @@ if triton is not None:
                 tl.store(s_ptr + row * (K // 128) + g, scale, mask=g < K // 128)
         elif WHOLE_ROW:
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            scale = _row_scale(tl.max(tl.abs(x), axis=0), static_ptr, scale_ub, STATIC, HAS_UB)
+            scale = row_scale(tl.max(tl.abs(x), axis=0), static_ptr, scale_ub, STATIC, HAS_UB)
             tl.store(q_row + offs, tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0).to(tl.float8e4nv),
                      mask=offs < K)
             tl.store(s_ptr + row, scale)
@@ -106,7 +106,7 @@ if triton is not None:
                 for k0 in range(0, K, BLOCK):
                     ks = k0 + offs
                     amax = tl.maximum(amax, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
-            scale = _row_scale(tl.max(amax, axis=0), static_ptr, scale_ub, STATIC, HAS_UB)
+            scale = row_scale(tl.max(amax, axis=0), static_ptr, scale_ub, STATIC, HAS_UB)
             inv = tl.math.div_rn(1.0, scale)
             for k0 in range(0, K, BLOCK):
                 ks = k0 + offs
@@ -115,8 +115,9 @@ if triton is not None:
             tl.store(s_ptr + row, scale)
 
     @triton.jit
-    def _row_scale(row_max, static_ptr, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexpr):
-        """A row's scale: the static one, else its maximum (clamped to ``scale_ub``) / 448, at least MIN_SCALE."""
+    def row_scale(row_max, static_ptr, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexpr):
+        """A row's scale: the static one, else its maximum (clamped to ``scale_ub``) / 448, at least MIN_SCALE
+        (the RMSNorm kernel's FP8 output takes it too)."""
         if STATIC:
             return tl.load(static_ptr).to(tl.float32)
         if HAS_UB:

@@ -13,19 +13,19 @@ import torch
 from torch import nn
 
 from ..distributed.parallel import all_reduce
-from ..kernels.rms_norm import rms_norm
+from ..kernels.rms_norm import rms_norm, rms_norm_fp8
 from ..kernels.rotary import rotary
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
 from ..kernels.skinny_linear import MAX_ROWS, skinny_linear, skinny_linear_ref
 from .attention import AttentionMetadata, attend
-from .quant.linear import Fp8Linear, fuse_fp8
+from .quant.linear import Fp8Linear, QuantizedRows, fuse_fp8
 from .rotary import apply_rotary
 
 # Inductor rounds to the model dtype wherever eager code does, so compiled and eager steps agree in bf16.
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None,
+def linear(x: torch.Tensor | QuantizedRows, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None,
            rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0) -> torch.Tensor:
     """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
     product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape); ``rope`` (cos, sin)
@@ -33,7 +33,8 @@ def linear(x: torch.Tensor, layer: nn.Linear, gated: bool = False, residual: tor
     decoding step's few rows (<= 32, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
     and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
     so one compiled graph serves both); elsewhere the same stock ops (the op's reference). An FP8 ``layer``
-    (:class:`~.quant.linear.Fp8Linear`) takes its own kernels, the rotation after them."""
+    (:class:`~.quant.linear.Fp8Linear`) takes its own kernels, the rotation after them, and x may then be rows
+    its norm quantized already (:func:`norm_for`)."""
     if isinstance(layer, Fp8Linear):
         y = layer.project(x, gated=gated, residual=residual)
         return y if rope is None else rotate_columns(y, rope, rotary_cols)
@@ -87,6 +88,17 @@ def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if module.weight.dtype != x.dtype:
         return module(x)
     return traced(torch.ops.tllm_spec.rms_norm, rms_norm)(x, module.weight, module.variance_epsilon)
+
+
+def norm_for(x: torch.Tensor, module: nn.Module, layer: nn.Linear) -> torch.Tensor | QuantizedRows:
+    """:func:`norm` as the projection ``layer`` takes it: for an FP8 one that quantizes per token, the norm's
+    kernel quantizes its rows too (:func:`~tllm_spec.kernels.rms_norm.rms_norm_fp8`: no quantization kernel
+    between the norm and the GEMM)."""
+    if not (isinstance(layer, Fp8Linear) and layer.quantizes_per_token and module.weight.dtype == x.dtype):
+        return norm(x, module)
+    q, scale = traced(torch.ops.tllm_spec.rms_norm_fp8, rms_norm_fp8)(x, module.weight, module.variance_epsilon,
+                                                                     layer.scale_ub)
+    return QuantizedRows(q, scale, x.dtype)
 
 
 def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, residual: torch.Tensor | None
@@ -231,9 +243,10 @@ class DecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """hidden [N, H] -> [N, H]."""
         if few_row_kernels(hidden, attn):
-            hidden = self.self_attn(norm(hidden, self.input_layernorm), rope, attn, residual=hidden,
-                                    rotary_epilogue=True)
-            return self.mlp(norm(hidden, self.post_attention_layernorm), gated=True, residual=hidden)
+            hidden = self.self_attn(norm_for(hidden, self.input_layernorm, self.self_attn.qkv_proj), rope, attn,
+                                    residual=hidden, rotary_epilogue=True)
+            return self.mlp(norm_for(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj), gated=True,
+                            residual=hidden)
         if attn.context_lens and hidden.is_cuda:  # a prompt step never runs compiled: one norm kernel, not six ops
             hidden = hidden + self.self_attn(norm(hidden, self.input_layernorm), rope, attn)
             return hidden + self.mlp(norm(hidden, self.post_attention_layernorm))

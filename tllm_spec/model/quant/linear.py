@@ -10,10 +10,22 @@ are concatenated, their static input scales merged to the largest (:func:`fuse_f
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from ...kernels.fp8_linear import FP8, FP8_MAX, GROUP, dequantize_weight, fp8_linear, fp8_linear_ref
+
+
+class QuantizedRows(NamedTuple):
+    """Activation rows already quantized per token (the RMSNorm kernel's FP8 output,
+    :func:`~tllm_spec.kernels.rms_norm.rms_norm_fp8`) for an :class:`Fp8Linear` that quantizes per token:
+    FP8 [M, K], fp32 scales [M, 1], and the dtype the rows had (the projection's result dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 class Fp8Linear(nn.Linear):
@@ -55,15 +67,24 @@ class Fp8Linear(nn.Linear):
         """The weight the FP8 values and scales stand for, fp32 [N, K]."""
         return dequantize_weight(self.weight, self.weight_scale, (GROUP, GROUP) if self.block_scales else None)
 
-    def project(self, x: torch.Tensor, gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N] (``gated``: the SwiGLU product [M, N/2]; ``residual``: plus it), the kernels' op
-        on CUDA (opaque to torch.compile), the reference elsewhere."""
-        if not x.is_cuda:
+    @property
+    def quantizes_per_token(self) -> bool:
+        """Whether its activation is quantized per token (dynamic, channel-scaled weight): then it also takes
+        :class:`QuantizedRows`."""
+        return self.input_scale is None and not self.block_scales
+
+    def project(self, x: torch.Tensor | QuantizedRows, gated: bool = False, residual: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [M, K] (or :class:`QuantizedRows`, when :attr:`quantizes_per_token`) -> [M, N] (``gated``: the SwiGLU
+        product [M, N/2]; ``residual``: plus it), the kernels' op on CUDA (opaque to torch.compile), the reference
+        elsewhere."""
+        rows, x_scale, out_dtype = (x.q, x.scale, x.dtype) if isinstance(x, QuantizedRows) else (x, None, None)
+        if not rows.is_cuda:
             op = fp8_linear_ref
         else:
             op = torch.ops.tllm_spec.fp8_linear if torch.compiler.is_compiling() else fp8_linear
-        return op(x, self.weight, self.weight_scale, self.bias, self.input_scale, self.block_scales, self.scale_ub,
-                  gated, residual)
+        return op(rows, self.weight, self.weight_scale, self.bias, self.input_scale, self.block_scales, self.scale_ub,
+                  gated, residual, x_scale, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
