@@ -90,10 +90,10 @@ def norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return traced(torch.ops.tllm_spec.rms_norm, rms_norm)(x, module.weight, module.variance_epsilon)
 
 
-def norm_for(x: torch.Tensor, module: nn.Module, layer: nn.Linear) -> torch.Tensor | QuantizedRows:
+def norm_for(x: torch.Tensor, module: nn.Module, layer: nn.Module | None) -> torch.Tensor | QuantizedRows:
     """:func:`norm` as the projection ``layer`` takes it: for an FP8 one that quantizes per token, the norm's
     kernel quantizes its rows too (:func:`~tllm_spec.kernels.rms_norm.rms_norm_fp8`: no quantization kernel
-    between the norm and the GEMM)."""
+    between the norm and the GEMM). None (a mixture of experts, whose first GEMMs are the experts'): the norm."""
     if not (isinstance(layer, Fp8Linear) and layer.quantizes_per_token and module.weight.dtype == x.dtype):
         return norm(x, module)
     q, scale = traced(torch.ops.tllm_spec.rms_norm_fp8, rms_norm_fp8)(x, module.weight, module.variance_epsilon,
@@ -245,8 +245,8 @@ class DecoderLayer(nn.Module):
         if few_row_kernels(hidden, attn):
             hidden = self.self_attn(norm_for(hidden, self.input_layernorm, self.self_attn.qkv_proj), rope, attn,
                                     residual=hidden, rotary_epilogue=True)
-            return self.mlp(norm_for(hidden, self.post_attention_layernorm, self.mlp.gate_up_proj), gated=True,
-                            residual=hidden)
+            first = getattr(self.mlp, "gate_up_proj", None)  # None: a mixture of experts (model/moe.py)
+            return self.mlp(norm_for(hidden, self.post_attention_layernorm, first), gated=True, residual=hidden)
         if attn.context_lens and hidden.is_cuda:  # a prompt step never runs compiled: one norm kernel, not six ops
             hidden = hidden + self.self_attn(norm(hidden, self.input_layernorm), rope, attn)
             return hidden + self.mlp(norm(hidden, self.post_attention_layernorm))
