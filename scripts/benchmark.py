@@ -109,8 +109,9 @@ def parse_args() -> argparse.Namespace:
                    "and with fused layers not compiled, on fresh targets: the gain of each step of the fast path")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="split the target over N GPUs (torchrun "
                    "--nproc-per-node N); HF generate is then skipped")
-    p.add_argument("--tp-all-reduce", choices=["auto", "nccl"], default="auto", help="EngineConfig.tp_all_reduce: "
-                   "small all-reduces one-shot over symmetric memory (auto) or all through NCCL")
+    p.add_argument("--tp-all-reduce", choices=["auto", "one_shot", "nccl"], default="auto",
+                   help="EngineConfig.tp_all_reduce: a step's all-reduces through tllm_spec's Lamport kernel (auto), "
+                   "torch's one-shot kernel, or NCCL")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1")
     p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")

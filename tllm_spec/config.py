@@ -145,11 +145,12 @@ class EngineConfig(_Frozen):
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) the target is split over; "
                                       "launch with torchrun --nproc-per-node N (gloo on CPU); the draft is "
                                       "replicated on every rank")
-    tp_all_reduce: Literal["auto", "nccl"] = Field("auto", description="tensor parallel on GPUs: 'auto' sums "
-                                                   "inputs up to 512 KB (the decoding steps' all-reduces) with a "
-                                                   "one-shot kernel over peer-to-peer symmetric memory where "
-                                                   "torch and the GPUs allow it, larger ones through NCCL; "
-                                                   "'nccl': every all-reduce through NCCL")
+    tp_all_reduce: Literal["auto", "one_shot", "nccl"] = Field(
+        "auto", description="tensor parallel on GPUs: 'auto' sums a decoding step's rows with tllm_spec's Lamport "
+        "kernel over peer-to-peer symmetric memory, with the residual add and the next RMSNorm in it "
+        "(distributed/lamport.py), other inputs up to 512 KB with torch's one-shot kernel, larger ones through "
+        "NCCL, each where torch and the GPUs allow it; 'one_shot': torch's one-shot kernel up to 512 KB, "
+        "NCCL above; 'nccl': every all-reduce through NCCL")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

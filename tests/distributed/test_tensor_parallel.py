@@ -299,6 +299,28 @@ def test_bad_configurations_fail_on_every_rank_without_hanging():
         assert "no MTP tensors; expected model.layers.8.eh_proj.weight" in errors[2]
 
 
+def _all_reduce_add_norm_on_gloo() -> list:
+    from tllm_spec.distributed.parallel import all_reduce_add_norm, all_reduce_add_norm_ref
+    from tllm_spec.kernels.rms_norm import rms_norm_ref
+
+    group, rank = dist.group.WORLD.group_name, dist.get_rank()
+    x = torch.full((3, 8), float(rank + 1)) + torch.arange(8.0)
+    residual, weight = torch.ones(3, 8), torch.linspace(0.5, 1.5, 8)
+    hidden, normed = all_reduce_add_norm(x, residual, weight, 1e-6, group)
+    expected = residual + 3 + 2 * torch.arange(8.0)  # ranks 1 and 2, plus twice the column
+    alone, none = all_reduce_add_norm(x, None, None, 1e-6, group)
+    ref = all_reduce_add_norm_ref(x, residual, weight, 1e-6, group)
+    return [torch.equal(hidden, expected), torch.allclose(normed, rms_norm_ref(expected, weight, 1e-6)),
+            torch.equal(alone, expected - 1), none is None, torch.equal(ref[0], hidden), torch.equal(ref[1], normed)]
+
+
+@pytest.mark.slow  # two processes: ten seconds on the 2-core machine
+def test_all_reduce_add_norm_on_cpu_ranks_is_the_sum_the_add_and_the_norm():
+    """The path of every input the Lamport kernel does not take (gloo here): the reference's ops."""
+    ranks = run_ranks(_all_reduce_add_norm_on_gloo)
+    assert ranks == [[True] * 6] * WORLD_SIZE, ranks
+
+
 def test_tensor_parallel_without_torchrun_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     target, head = tiny_tp_pair("llama")

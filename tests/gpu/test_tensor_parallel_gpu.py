@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tllm_spec import SamplingParams
+from tllm_spec.distributed import lamport, symmetric
+from tllm_spec.distributed.parallel import all_reduce_add_norm
+from tllm_spec.kernels.rms_norm import rms_norm
 from tllm_spec.spec_model import SpecModel
 
 from ..distributed.test_tensor_parallel import (
@@ -30,7 +34,8 @@ def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_s
     with SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=4,
                                    tensor_parallel_size=tensor_parallel_size, compile_step=compile_step) as model:
         outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])  # closed before the
-        return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs)}  # group
+        return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs),  # group
+                "lamport": any(key[1] == dtype for key in lamport._registry)}
 
 
 @pytest.mark.parametrize("dtype,speculative", [
@@ -44,10 +49,38 @@ def test_tp2_graphed_greedy_equals_tp1(dtype, speculative):
     for answer in ranks:
         assert isinstance(answer, dict), answer
     assert ranks[0] == ranks[1] and ranks[0]["graphs"] > 0  # steps replayed CUDA graphs with NCCL inside
+    assert ranks[0]["lamport"] == (dtype == torch.bfloat16)  # bf16 steps all-reduced through the Lamport kernel
     tp1 = _greedy(str(target), head, dtype, 1, compile_step)
     assert ranks[0]["tokens"] == tp1["tokens"]
     if dtype == torch.float32:
         assert tp1["tokens"] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def _lamport_against_nccl() -> list:
+    group, rank = dist.group.WORLD.group_name, dist.get_rank()
+    device = torch.device("cuda", rank)
+    assert symmetric.enable(group, torch.bfloat16, device)
+    c10d, answers = torch.ops._c10d_functional, []
+    for rows, width in [(1, 4096), (4, 4096), (200, 64), (3, 2048), (1, 4096)]:
+        g = torch.Generator(device).manual_seed(rows * width + rank)
+        x = torch.randn(rows, width, device=device, generator=g).bfloat16()
+        x[0, 0] = -0.0  # the kernel's empty mark, as a value
+        same = torch.Generator(device).manual_seed(rows * width)  # residual and weight alike on every rank
+        residual = torch.randn(rows, width, device=device, generator=same).bfloat16()
+        weight = (1 + 0.1 * torch.randn(width, device=device, generator=same)).bfloat16()
+        assert lamport.buffers_for(x, group) is not None
+        hidden, normed = all_reduce_add_norm(x, residual, weight, 1e-5, group)
+        ref = residual + c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
+        answers.append((torch.equal(hidden, ref), torch.equal(normed, rms_norm(ref, weight, 1e-5)),
+                        float(hidden.double().sum())))
+    return answers
+
+
+def test_lamport_all_reduce_over_nvlink_equals_nccl_with_the_add_and_norm():
+    ranks = run_ranks(_lamport_against_nccl, backend="nccl")
+    assert isinstance(ranks[0], list), ranks
+    assert ranks[0] == ranks[1]  # the same bits on both ranks
+    assert all(hidden_equal and normed_equal for hidden_equal, normed_equal, _ in ranks[0]), ranks[0]
 
 
 def test_torchrun_ranks_exit_within_10_s_of_the_program_end():

@@ -3,10 +3,12 @@ triton is imported): the Triton kernels' logic is checked on machines without a 
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
 from tllm_spec import kernels
+from tllm_spec.distributed import lamport
 from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import attention_plan as plan_module
 from tllm_spec.kernels import fused_moe as moe_module
@@ -346,6 +348,51 @@ def _fp8_cache_case(query_len: int, num_splits: int) -> None:
     torch.testing.assert_close(out, attention_module.paged_attention_ref(*args, **scales), atol=1e-5, rtol=1e-5)
 
 
+def _lamport_cases(world: int, dtype: torch.dtype) -> None:
+    """The Lamport all-reduce with each rank's kernel in a thread of its own over CPU buffers, so a rank polls while
+    another pushes: shapes that change from call to call, a -0.0 among the values, more rows than programs; every
+    rank holds the sum in rank order plus the residual and its norm, and every buffer is empty again after each
+    call. The interpreter keeps one grid position and patches triton.language per launch, both process-wide: each
+    rank runs one program, and the language stays patched while the threads run."""
+    import triton.runtime.interpreter as interpreter
+
+    lamport.SLOT_BYTES, programs, lamport.MAX_PROGRAMS = 4096, lamport.MAX_PROGRAMS, 1
+    buffers = [torch.empty(lamport.buffer_elements(dtype, world), dtype=dtype) for _ in range(world)]
+    ranks = [lamport.LamportBuffers.local(b, [a.data_ptr() for a in buffers], r) for r, b in enumerate(buffers)]
+    g = torch.Generator().manual_seed(world)
+    import triton.language.standard as standard
+
+    held = [interpreter._patch_lang(f.fn) for f in (lamport._lamport_kernel, standard.zeros)]  # tl and tl.core
+    patch, interpreter._patch_lang = interpreter._patch_lang, lambda fn: interpreter._LangPatchScope()
+    for rows, width, residual, norm in [(1, 64, True, True), (3, 32, True, False), (5, 16, False, False),
+                                        (2, 64, True, True)]:
+        xs = [torch.randn(rows, width, generator=g).to(dtype) for _ in range(world)]
+        xs[0][0, 0] = -0.0
+        res = torch.randn(rows, width, generator=g).to(dtype) if residual else None
+        weight = torch.rand(width, generator=g).to(dtype) if norm else None
+        outs = [None] * world
+
+        def rank_main(r: int) -> None:
+            outs[r] = lamport.all_reduce_add_norm(xs[r], res, weight, 1e-5, ranks[r])
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert all(out is not None for out in outs), "a rank never saw its peers' rows"
+        total = sum(x.float() for x in xs).to(dtype)
+        hidden = res + total if residual else total
+        for out, normed in outs:
+            assert torch.equal(out, hidden)
+            if norm:
+                torch.testing.assert_close(normed, rms_norm_module.rms_norm_ref(hidden, weight, 1e-5))
+        assert all(bool((r.buffer.view(torch.int16) == lamport.NEGATIVE_ZERO).all()) for r in ranks)
+    interpreter._patch_lang, lamport.MAX_PROGRAMS = patch, programs
+    for scope in reversed(held):
+        scope.restore()
+
+
 def main() -> None:
     grid = itertools.product([1, 2, 4, 6], [1, 3], [(4, 2), (6, 2), (3, 3)], [None, 5], [False, True])
     for query_len, num_runs, (hq, hkv), window, fused in grid:
@@ -398,6 +445,9 @@ def main() -> None:
             [(1, 8, 2), (5, 128, 8), (3, 60, 4)], [False, True], [0, 1]):
         _moe_topk_case(num_tokens, num_experts, top_k, sigmoid, round_to)
         print(f"ok moe_topk tokens={num_tokens} experts={num_experts} k={top_k} sigmoid={sigmoid} round={round_to}")
+    for world in (2, 3):  # fp16: this interpreter's bf16 bit casts differ from the GPU's (tests/gpu covers bf16)
+        _lamport_cases(world, torch.float16)
+        print(f"ok lamport all-reduce world={world} fp16")
     _engine_cases()
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from . import symmetric
+from ..kernels.rms_norm import rms_norm, rms_norm_ref
+from . import lamport, symmetric
 
 _c10d = torch.ops._c10d_functional
 
@@ -115,12 +116,42 @@ def check_shardable(config: PretrainedConfig, size: int) -> None:
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of ``x`` over the group (after a row-parallel GEMM). Same shape. Small inputs of a group with
-    symmetric memory go through the one-shot kernel (:mod:`.symmetric`), the rest through the process group."""
+    """Sum of ``x`` over the group (after a row-parallel GEMM). Same shape. A decoding step's rows go through
+    tllm_spec's Lamport kernel (:mod:`.lamport`), other small inputs of a group with symmetric memory through
+    torch's one-shot kernel (:mod:`.symmetric`), the rest through the process group."""
+    if lamport.buffers_for(x, group_name) is not None:
+        return all_reduce_add_norm(x, None, None, 0.0, group_name)[0]
     buffer = symmetric.one_shot_buffer(x, group_name)
     if buffer is not None:
         return symmetric.one_shot_all_reduce(buffer, x, group_name)
     return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group_name))
+
+
+def all_reduce_add_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                            group_name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch reference: (h = sum of ``x`` over the group + ``residual``, RMSNorm(h) * ``weight`` or None without a
+    weight). x, residual [T, H]; weight [H]."""
+    h = all_reduce(x, group_name)
+    if residual is not None:
+        h = residual + h
+    return h, None if weight is None else rms_norm_ref(h, weight, eps)
+
+
+def all_reduce_add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                        group_name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h = sum of ``x`` over the group + ``residual``, RMSNorm(h) * ``weight``, or None without a weight): one
+    kernel where the Lamport kernel takes x (:mod:`.lamport`, a weight and residual of x's dtype), else
+    :func:`all_reduce` and the add and the norm as torch ops (:func:`all_reduce_add_norm_ref`)."""
+    fits = ((residual is None or residual.dtype == x.dtype and residual.shape == x.shape and residual.is_contiguous())
+            and (weight is None or weight.dtype == x.dtype and weight.is_contiguous()))
+    if not fits or lamport.buffers_for(x, group_name) is None:  # the reference's ops, its norm the norm kernel
+        h = all_reduce_add_norm_ref(x, residual, None, eps, group_name)[0]
+        norm = torch.ops.tllm_spec.rms_norm if torch.compiler.is_compiling() else rms_norm
+        return h, None if weight is None else norm(h, weight, eps)
+    if torch.compiler.is_compiling():  # opaque to Inductor (the op's own code runs when the graph does)
+        out, normed = torch.ops.tllm_spec.lamport_all_reduce(x, residual, weight, eps, group_name)
+        return out, normed if weight is not None else None
+    return lamport.all_reduce_add_norm(x, residual, weight, eps, lamport.buffers_for(x, group_name))
 
 
 def gather_vocab(logits: torch.Tensor, vocab_size: int, parallel: TensorParallel) -> torch.Tensor:

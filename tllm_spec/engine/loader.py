@@ -71,9 +71,9 @@ def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engin
     if engine_config.tensor_parallel_size != tp_size:
         raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but the target is split "
                          f"over {tp_size} ranks")
-    if tp_size > 1 and engine_config.tp_all_reduce == "auto":  # every rank, together: a rendezvous
+    if tp_size > 1 and engine_config.tp_all_reduce != "nccl":  # every rank, together: a rendezvous
         weight = target.lm_head.weight
-        symmetric.enable(target.parallel.group_name, weight.dtype, weight.device)
+        symmetric.enable(target.parallel.group_name, weight.dtype, weight.device, engine_config.tp_all_reduce)
     check_quantization(draft_quantization)
     if spec_config is None:
         if draft_quantization:

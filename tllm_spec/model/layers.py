@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..distributed.parallel import all_reduce
+from ..distributed.parallel import all_reduce_add_norm
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8
 from ..kernels.rotary import rotary
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
@@ -101,14 +101,27 @@ def norm_for(x: torch.Tensor, module: nn.Module, layer: nn.Module | None) -> tor
     return QuantizedRows(q, scale, x.dtype)
 
 
-def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, residual: torch.Tensor | None
-                      ) -> torch.Tensor:
+def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, residual: torch.Tensor | None,
+                      partial: bool = False) -> torch.Tensor:
     """A block's last projection plus ``residual``: on one GPU the add is the GEMM's epilogue (:func:`linear`);
-    tensor parallel, the partial sums are all-reduced first and the residual added after."""
+    tensor parallel, the partial sums are all-reduced and the residual added after (one kernel in a decoding
+    step: :func:`~tllm_spec.distributed.parallel.all_reduce_add_norm`). ``partial``: this rank's partial sums
+    alone (the caller all-reduces them: :func:`reduce_and_norm`)."""
     if tp_group is None:
         return linear(x, layer, residual=residual)
-    out = all_reduce(linear(x, layer), tp_group)
-    return out if residual is None else residual + out
+    if partial:
+        return linear(x, layer)
+    return all_reduce_add_norm(linear(x, layer), residual, None, 0.0, tp_group)[0]
+
+
+def reduce_and_norm(partial: torch.Tensor, residual: torch.Tensor, module: nn.Module, tp_group: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = ``residual`` + all-reduced ``partial``, :func:`norm` of h by ``module``): the all-reduce, the add and
+    the norm in one kernel where the weight has the rows' dtype."""
+    if module.weight.dtype != partial.dtype:
+        hidden = all_reduce_add_norm(partial, residual, None, 0.0, tp_group)[0]
+        return hidden, norm(hidden, module)
+    return all_reduce_add_norm(partial, residual, module.weight, module.variance_epsilon, tp_group)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -171,9 +184,10 @@ class Attention(nn.Module):
                    kv_layer, scale, **kwargs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                residual: torch.Tensor | None = None, rotary_epilogue: bool = False) -> torch.Tensor:
-        """x [N, H_in] -> [N, H] (plus ``residual``, :func:`output_projection`); ``rotary_epilogue``: q and k are
-        rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between."""
+                residual: torch.Tensor | None = None, rotary_epilogue: bool = False, partial: bool = False
+                ) -> torch.Tensor:
+        """x [N, H_in] -> [N, H] (plus ``residual``; ``partial``: see :func:`output_projection`);
+        ``rotary_epilogue``: q and k are rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between."""
         q_size, kv_size = self.q_size, self.kv_size
         whole = rope[0].shape[-1] == self.head_dim  # else the first features of each head only (GLM-4.5)
         if rotary_epilogue and self.q_norm is None and whole:
@@ -194,7 +208,7 @@ class Attention(nn.Module):
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         kv_layer = self.kv_layer if self.k_cache is None else (self.k_cache, self.v_cache, *self.kv_scales)
         out = attend(kv_layer, q, k, v, attn, self.scale, self.sliding_window)
-        return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual)
+        return output_projection(out.flatten(1), self.o_proj, self.tp_group, residual, partial)
 
 
 def rotate_part(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -243,10 +257,15 @@ class DecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """hidden [N, H] -> [N, H]."""
         if few_row_kernels(hidden, attn):
-            hidden = self.self_attn(norm_for(hidden, self.input_layernorm, self.self_attn.qkv_proj), rope, attn,
-                                    residual=hidden, rotary_epilogue=True)
-            first = getattr(self.mlp, "gate_up_proj", None)  # None: a mixture of experts (model/moe.py)
-            return self.mlp(norm_for(hidden, self.post_attention_layernorm, first), gated=True, residual=hidden)
+            x = norm_for(hidden, self.input_layernorm, self.self_attn.qkv_proj)
+            if self.self_attn.tp_group is None:
+                hidden = self.self_attn(x, rope, attn, residual=hidden, rotary_epilogue=True)
+                first = getattr(self.mlp, "gate_up_proj", None)  # None: a mixture of experts (model/moe.py)
+                x = norm_for(hidden, self.post_attention_layernorm, first)
+            else:  # the all-reduce, the residual add and the norm: one kernel
+                partial = self.self_attn(x, rope, attn, rotary_epilogue=True, partial=True)
+                hidden, x = reduce_and_norm(partial, hidden, self.post_attention_layernorm, self.self_attn.tp_group)
+            return self.mlp(x, gated=True, residual=hidden)
         if attn.context_lens and hidden.is_cuda:  # a prompt step never runs compiled: one norm kernel, not six ops
             hidden = hidden + self.self_attn(norm(hidden, self.input_layernorm), rope, attn)
             return hidden + self.mlp(norm(hidden, self.post_attention_layernorm))
