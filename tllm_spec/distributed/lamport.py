@@ -25,7 +25,6 @@ the add and the norm as three ops (the CPU path, and every input the kernel does
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,6 @@ try:  # triton is a GPU extra: the package imports and runs without it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-log = logging.getLogger("tllm_spec.distributed")
 SLOT_BYTES = 512 * 1024  # one rank's rows of one call: a decoding step's [T, H] (T * H * 2 bytes)
 MAX_WIDTH = 16384  # a program holds a row
 MAX_PROGRAMS = 128  # every program is resident at once on an H100/H200 (they poll for each other's peers)
@@ -60,8 +58,8 @@ class LamportBuffers:
     def local(cls, buffer: torch.Tensor, addresses: list[int], rank: int) -> LamportBuffers:
         """Buffers of this rank given every rank's buffer address; ``buffer`` is set to empty (negative zero)."""
         world = len(addresses)
-        if buffer.numel() < 2 * world * slot_elements(buffer.dtype):
-            raise ValueError(f"a Lamport buffer of {world} ranks needs {2 * world * slot_elements(buffer.dtype)} "
+        if buffer.numel() < buffer_elements(buffer.dtype, world):
+            raise ValueError(f"a Lamport buffer of {world} ranks needs {buffer_elements(buffer.dtype, world)} "
                              f"elements, got {buffer.numel()}")
         buffer.view(torch.int16).fill_(NEGATIVE_ZERO)
         peers = torch.tensor(addresses, dtype=torch.int64, device=buffer.device)
@@ -149,6 +147,7 @@ def _(x, residual, weight, eps, group_name):
 
 if triton is not None:
     from ..kernels.dependent_launch import wait_and_release
+    from ..kernels.rms_norm import normed_row
 
     _EMPTY = tl.constexpr(NEGATIVE_ZERO)
 
@@ -188,11 +187,8 @@ if triton is not None:
             if RESIDUAL:
                 h = (tl.load(r_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32) + h.to(tl.float32)).to(dtype)
             tl.store(out_ptr + row * H + cols, h, mask=ok)
-            if NORM:  # kernels/rms_norm.py's maths
-                hf = h.to(tl.float32)
-                rstd = tl.math.rsqrt(tl.sum(hf * hf, 0) * (1.0 / H) + eps)
-                w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                tl.store(n_ptr + row * H + cols, (w * (hf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=ok)
+            if NORM:
+                tl.store(n_ptr + row * H + cols, normed_row(h.to(tl.float32), w_ptr, cols, ok, H, eps), mask=ok)
         finished = tl.atomic_add(flags_ptr + 1, 1)
         if finished == tl.num_programs(0) - 1:  # every program has read the parity: the next call takes the other half
             tl.store(flags_ptr + 1, 0)

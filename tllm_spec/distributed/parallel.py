@@ -142,16 +142,17 @@ def all_reduce_add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     """(h = sum of ``x`` over the group + ``residual``, RMSNorm(h) * ``weight``, or None without a weight): one
     kernel where the Lamport kernel takes x (:mod:`.lamport`, a weight and residual of x's dtype), else
     :func:`all_reduce` and the add and the norm as torch ops (:func:`all_reduce_add_norm_ref`)."""
+    buffers = lamport.buffers_for(x, group_name)
     fits = ((residual is None or residual.dtype == x.dtype and residual.shape == x.shape and residual.is_contiguous())
             and (weight is None or weight.dtype == x.dtype and weight.is_contiguous()))
-    if not fits or lamport.buffers_for(x, group_name) is None:  # the reference's ops, its norm the norm kernel
-        h = all_reduce_add_norm_ref(x, residual, None, eps, group_name)[0]
+    if buffers is None or not fits:  # the reference's ops, its norm the norm kernel (a weight of another dtype:
+        h = all_reduce_add_norm_ref(x, residual, None, eps, group_name)[0]  # the reference's promotion)
         norm = torch.ops.tllm_spec.rms_norm if torch.compiler.is_compiling() else rms_norm
         return h, None if weight is None else norm(h, weight, eps)
     if torch.compiler.is_compiling():  # opaque to Inductor (the op's own code runs when the graph does)
         out, normed = torch.ops.tllm_spec.lamport_all_reduce(x, residual, weight, eps, group_name)
         return out, normed if weight is not None else None
-    return lamport.all_reduce_add_norm(x, residual, weight, eps, lamport.buffers_for(x, group_name))
+    return lamport.all_reduce_add_norm(x, residual, weight, eps, buffers)
 
 
 def gather_vocab(logits: torch.Tensor, vocab_size: int, parallel: TensorParallel) -> torch.Tensor:

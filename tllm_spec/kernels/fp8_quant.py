@@ -90,14 +90,14 @@ if triton is not None:
                 ks = k0 + offs
                 x = tl.reshape(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32), (groups, 128))
                 scale = tl.maximum(tl.max(tl.abs(x), axis=1) * (1.0 / 448.0), 1.0 / (448.0 * 512.0))
-                q = tl.clamp(x * tl.math.div_rn(1.0, scale)[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                q = to_fp8(x, tl.math.div_rn(1.0, scale)[:, None])
                 tl.store(q_row + ks, tl.reshape(q, (BLOCK,)), mask=ks < K)
                 g = k0 // 128 + tl.arange(0, groups)
                 tl.store(s_ptr + row * (K // 128) + g, scale, mask=g < K // 128)
         elif WHOLE_ROW:
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             scale = row_scale(tl.max(tl.abs(x), axis=0), static_ptr, scale_ub, STATIC, HAS_UB)
-            tl.store(q_row + offs, tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0).to(tl.float8e4nv),
+            tl.store(q_row + offs, to_fp8(x, tl.math.div_rn(1.0, scale)),
                      mask=offs < K)
             tl.store(s_ptr + row, scale)
         else:
@@ -111,7 +111,7 @@ if triton is not None:
             for k0 in range(0, K, BLOCK):
                 ks = k0 + offs
                 x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-                tl.store(q_row + ks, tl.clamp(x * inv, -448.0, 448.0).to(tl.float8e4nv), mask=ks < K)
+                tl.store(q_row + ks, to_fp8(x, inv), mask=ks < K)
             tl.store(s_ptr + row, scale)
 
     @triton.jit
@@ -123,3 +123,9 @@ if triton is not None:
         if HAS_UB:
             row_max = tl.minimum(row_max, scale_ub)
         return tl.maximum(row_max * (1.0 / 448.0), 1.0 / (448.0 * 512.0))
+
+    @triton.jit
+    def to_fp8(x, inv_scale):
+        """fp32 values times the inverse scale, clamped to E4M3's range and rounded to nearest: the rounding every
+        activation quantization here shares (the reference's)."""
+        return tl.clamp(x * inv_scale, -448.0, 448.0).to(tl.float8e4nv)

@@ -103,7 +103,7 @@ def _(x, weight, eps):
 
 if triton is not None:
     from .dependent_launch import wait_and_release
-    from .fp8_quant import row_scale
+    from .fp8_quant import row_scale, to_fp8
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, s_ptr, H, stride_xm, eps, scale_ub, BLOCK: tl.constexpr,
@@ -116,15 +116,20 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < H
         x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, 0) * (1.0 / H) + eps)  # the mean as torch's CUDA reduction takes it
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        dtype = x_ptr.dtype.element_ty
-        y = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+        y = normed_row(x, w_ptr, cols, ok, H, eps)
         if QUANT:
             yf = y.to(tl.float32)
             scale = row_scale(tl.max(tl.abs(yf), axis=0), s_ptr, scale_ub, False, HAS_UB)
-            tl.store(y_ptr + row * H + cols, tl.clamp(yf * tl.math.div_rn(1.0, scale), -448.0, 448.0)
-                     .to(tl.float8e4nv), mask=ok)
+            tl.store(y_ptr + row * H + cols, to_fp8(yf, tl.math.div_rn(1.0, scale)), mask=ok)
             tl.store(s_ptr + row, scale)
         else:
             tl.store(y_ptr + row * H + cols, y, mask=ok)
+
+    @triton.jit
+    def normed_row(x, w_ptr, cols, ok, H, eps):
+        """A row x (fp32, zeros past H) normalised: the mean square in fp32, x̂ rounded to the weight's dtype (the
+        row's), times the weight, in that dtype (the stock module's ops; the Lamport all-reduce's norm too)."""
+        rstd = tl.math.rsqrt(tl.sum(x * x, 0) * (1.0 / H) + eps)  # the mean as torch's CUDA reduction takes it
+        dtype = w_ptr.dtype.element_ty
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        return (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype)

@@ -106,22 +106,12 @@ def output_projection(x: torch.Tensor, layer: nn.Linear, tp_group: str | None, r
     """A block's last projection plus ``residual``: on one GPU the add is the GEMM's epilogue (:func:`linear`);
     tensor parallel, the partial sums are all-reduced and the residual added after (one kernel in a decoding
     step: :func:`~tllm_spec.distributed.parallel.all_reduce_add_norm`). ``partial``: this rank's partial sums
-    alone (the caller all-reduces them: :func:`reduce_and_norm`)."""
+    alone (the caller all-reduces them, with its norm: :class:`DecoderLayer`)."""
     if tp_group is None:
         return linear(x, layer, residual=residual)
     if partial:
         return linear(x, layer)
     return all_reduce_add_norm(linear(x, layer), residual, None, 0.0, tp_group)[0]
-
-
-def reduce_and_norm(partial: torch.Tensor, residual: torch.Tensor, module: nn.Module, tp_group: str
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h = ``residual`` + all-reduced ``partial``, :func:`norm` of h by ``module``): the all-reduce, the add and
-    the norm in one kernel where the weight has the rows' dtype."""
-    if module.weight.dtype != partial.dtype:
-        hidden = all_reduce_add_norm(partial, residual, None, 0.0, tp_group)[0]
-        return hidden, norm(hidden, module)
-    return all_reduce_add_norm(partial, residual, module.weight, module.variance_epsilon, tp_group)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -264,7 +254,9 @@ class DecoderLayer(nn.Module):
                 x = norm_for(hidden, self.post_attention_layernorm, first)
             else:  # the all-reduce, the residual add and the norm: one kernel
                 partial = self.self_attn(x, rope, attn, rotary_epilogue=True, partial=True)
-                hidden, x = reduce_and_norm(partial, hidden, self.post_attention_layernorm, self.self_attn.tp_group)
+                post = self.post_attention_layernorm
+                hidden, x = all_reduce_add_norm(partial, hidden, post.weight, post.variance_epsilon,
+                                                self.self_attn.tp_group)
             return self.mlp(x, gated=True, residual=hidden)
         if attn.context_lens and hidden.is_cuda:  # a prompt step never runs compiled: one norm kernel, not six ops
             hidden = hidden + self.self_attn(norm(hidden, self.input_layernorm), rope, attn)
