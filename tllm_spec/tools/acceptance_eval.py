@@ -189,7 +189,8 @@ def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]]
     result: dict[str, object] = {"target": target, "device": device, "quantization": quantization,
                                  "num_prompts": len(prompts),
                                  "prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
-                                 "max_new_tokens": max_new_tokens, "heads": {}, "threads": torch.get_num_threads()}
+                                 "max_new_tokens": max_new_tokens, "heads": {}, "threads": torch.get_num_threads(),
+                                 "engine_threads": models["plain"].loop.call(torch.get_num_threads)}
     plain_ids = [o.token_ids for o in generate(models["plain"], prompts, max_new_tokens)] if 0.0 in temperatures \
         else None
     for name, spec in heads.items():

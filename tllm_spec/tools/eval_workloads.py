@@ -17,7 +17,7 @@ from .acceptance_eval import SpecConfig, evaluate, format_table, prompt_ids
 from .workloads import edit_prompts
 
 WORKLOADS = ("first-line", "edit")
-COMMON_KEYS = ("target", "device", "max_new_tokens", "threads")
+COMMON_KEYS = ("target", "device", "max_new_tokens", "threads", "engine_threads")
 
 
 def workload_prompts(names: list[str], tokenizer, texts: list[str], num_prompts: int, prompt_tokens: int,
