@@ -35,6 +35,8 @@ def engine_threads(device: torch.device, hidden_size: int, requested: int) -> in
     if device.type == "cpu" and hidden_size <= ONE_THREAD_MAX_HIDDEN:
         return 1
     return requested
+
+
 Deliver = Callable[[StreamOutput], None]
 
 
@@ -148,8 +150,8 @@ class EngineLoop:
     def _serve(self) -> None:
         runner = self.engine.runner
         torch.set_num_threads(engine_threads(runner.device, runner.target.hidden_size, self._num_threads))
-        if self.engine.runner.device.type == "cuda":
-            torch.cuda.set_device(self.engine.runner.device)
+        if runner.device.type == "cuda":
+            torch.cuda.set_device(runner.device)
         with torch.inference_mode(), contextlib.suppress(_Stop):
             while True:
                 if self._held is not None:
