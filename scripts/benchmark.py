@@ -112,6 +112,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp-all-reduce", choices=["auto", "one_shot", "nccl"], default="auto",
                    help="EngineConfig.tp_all_reduce: a step's all-reduces through tllm_spec's Lamport kernel (auto), "
                    "torch's one-shot kernel, or NCCL")
+    p.add_argument("--tp-draft", choices=["replicated", "sharded"], default="replicated",
+                   help="EngineConfig.tp_draft: the EAGLE-3 head whole on every rank, or split like the target")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1")
     p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
@@ -195,9 +197,9 @@ def main() -> None:
     bandwidth = measure_bandwidth(device)
     engine = {"max_batch_size": max(args.batches), "max_seq_len": args.prompt_len + args.new_tokens + 8,
               "kv_cache_fraction": 0.2 if args.compare_eager else 0.5, "tensor_parallel_size": tp,
-              "tp_all_reduce": args.tp_all_reduce}
+              "tp_all_reduce": args.tp_all_reduce, "tp_draft": args.tp_draft}
     results = {"gpu": torch.cuda.get_device_name(device), "tensor_parallel_size": tp, "shape": args.shape, "k": k,
-               "tp_all_reduce": args.tp_all_reduce,
+               "tp_all_reduce": args.tp_all_reduce, "tp_draft": args.tp_draft,
                "dtype": "bfloat16", "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "bandwidth_bytes_per_s": bandwidth, "points": [], "hf": [], "profile": [], "tree": tree or None,

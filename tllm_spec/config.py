@@ -151,6 +151,11 @@ class EngineConfig(_Frozen):
         "(distributed/lamport.py), other inputs up to 512 KB with torch's one-shot kernel, larger ones through "
         "NCCL, each where torch and the GPUs allow it; 'one_shot': torch's one-shot kernel up to 512 KB, "
         "NCCL above; 'nccl': every all-reduce through NCCL")
+    tp_draft: Literal["replicated", "sharded"] = Field(
+        "replicated", description="tensor parallel: an EAGLE-3 head whole on every rank ('replicated'), or split "
+        "like the target ('sharded': its attention heads, MLP units and draft vocabulary; its fc, norms and "
+        "embedding whole), which reads a rank's share of the head's bytes a step for 3 small collectives a "
+        "pass; MTP modules and draft LMs are always replicated")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

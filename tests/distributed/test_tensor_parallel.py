@@ -118,6 +118,45 @@ def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
         assert [list(top) for top in tops] == [list(top) for top in tp1_outs[0].top_logprobs]
 
 
+def _eagle3_tp2(target: str, head: str, tp_draft: str) -> dict[str, object]:
+    model = SpecModel.from_pretrained(target, eagle3(Path(head), 3), max_batch_size=2,
+                                      tensor_parallel_size=WORLD_SIZE, tp_draft=tp_draft)
+    outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    draft = model.worker.draft_model
+    return {"tokens": [o.token_ids for o in outs], "accepted": [o.stats.accepted_per_step for o in outs],
+            "qkv rows": draft.midlayer.self_attn.qkv_proj.weight.shape[0], "vocab rows": draft.lm_head.weight.shape[0],
+            "kv layers": model.runner.kv_cache.k[-1].shape[2]}
+
+
+@pytest.mark.slow  # two processes loading twice: about twenty seconds on the 2-core machine
+def test_tp2_sharded_head_drafts_as_the_whole_head_does():
+    """tp_draft="sharded": each rank holds its half of the head's heads, MLP units and draft vocabulary (the
+    llama pair: 4 heads and 2 KV heads of 32, a draft vocabulary of 97 padded to 49 rows a rank), and every
+    request accepts exactly what the replicated head and TP 1 accept, its tokens HF's greedy ones."""
+    target, head = tiny_tp_pair("llama")
+    sharded = run_ranks(_eagle3_tp2, str(target), str(head), "sharded")
+    whole = run_ranks(_eagle3_tp2, str(target), str(head), "replicated")
+    for answer in sharded + whole:
+        assert not (isinstance(answer, tuple) and answer[0] == "error"), answer[1]
+    assert sharded[0] == sharded[1]
+    tp1 = SpecModel.from_pretrained(target, eagle3(head, 3), max_batch_size=2)
+    tp1_outs = tp1.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])
+    assert sharded[0]["tokens"] == whole[0]["tokens"] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    assert sharded[0]["accepted"] == whole[0]["accepted"] == [o.stats.accepted_per_step for o in tp1_outs]
+    head_cfg = tp1.worker.draft_model.head.llama_config
+    full_qkv = (head_cfg.num_attention_heads + 2 * head_cfg.num_key_value_heads) * head_cfg.head_dim
+    assert whole[0]["qkv rows"] == full_qkv and sharded[0]["qkv rows"] == full_qkv // WORLD_SIZE
+    assert sharded[0]["vocab rows"] == -(-tp1.worker.draft_model.head.draft_vocab_size // WORLD_SIZE)
+    assert sharded[0]["kv layers"] * WORLD_SIZE == whole[0]["kv layers"]
+
+
+def test_tp_draft_sharded_refuses_a_draft_it_cannot_split():
+    from tllm_spec.drafts.plain import PlainWorker  # MTP modules and draft LMs inherit the same refusal
+
+    with pytest.raises(ValueError, match="tp_draft='sharded' splits an EAGLE-3 head"):
+        PlainWorker().shard_draft(None)
+
+
 def _generate_moe_tp2(target: str, head: str) -> list[list[int]]:
     from tllm_spec.model.moe import MoE
 

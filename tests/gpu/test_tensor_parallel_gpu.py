@@ -29,23 +29,26 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < W
                                                     reason=f"needs {WORLD_SIZE} GPUs")]
 
 
-def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_size: int, compile_step: bool) -> dict:
+def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_size: int, compile_step: bool,
+            tp_draft: str = "replicated") -> dict:
     spec = eagle3(Path(head), 3) if head else None
     with SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=4,
-                                   tensor_parallel_size=tensor_parallel_size, compile_step=compile_step) as model:
+                                   tensor_parallel_size=tensor_parallel_size, compile_step=compile_step,
+                                   tp_draft=tp_draft if tensor_parallel_size > 1 else "replicated") as model:
         outs = model.generate(PROMPTS, [SamplingParams(max_new_tokens=n) for n in MAX_NEW])  # closed before the
         return {"tokens": [o.token_ids for o in outs], "graphs": len(model.runner.graph_runner.graphs),  # group
                 "lamport": any(key[1] == dtype for key in lamport._registry)}
 
 
-@pytest.mark.parametrize("dtype,speculative", [
-    pytest.param(torch.bfloat16, True, marks=pytest.mark.compiles), (torch.float32, True), (torch.float32, False),
-    (torch.bfloat16, False)])
-def test_tp2_graphed_greedy_equals_tp1(dtype, speculative):
+@pytest.mark.parametrize("dtype,speculative,tp_draft", [
+    pytest.param(torch.bfloat16, True, "replicated", marks=pytest.mark.compiles), (torch.float32, True, "replicated"),
+    (torch.float32, False, "replicated"), (torch.bfloat16, False, "replicated"), (torch.float32, True, "sharded")])
+def test_tp2_graphed_greedy_equals_tp1(dtype, speculative, tp_draft):
+    """tp_draft="sharded": the EAGLE-3 head split like the target, its o and down sums all-reduced in the graph."""
     target, head = tiny_tp_pair("llama")
     head = str(head) if speculative else None
     compile_step = dtype == torch.bfloat16 and speculative
-    ranks = run_ranks(_greedy, str(target), head, dtype, WORLD_SIZE, compile_step, backend="nccl")
+    ranks = run_ranks(_greedy, str(target), head, dtype, WORLD_SIZE, compile_step, tp_draft, backend="nccl")
     for answer in ranks:
         assert isinstance(answer, dict), answer
     assert ranks[0] == ranks[1] and ranks[0]["graphs"] > 0  # steps replayed CUDA graphs with NCCL inside

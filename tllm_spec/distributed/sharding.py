@@ -156,6 +156,29 @@ def _materialize(hf: PreTrainedModel, config: PretrainedConfig, parallel: Tensor
     rebuild_meta_buffers(hf, config, device)
 
 
+def shard_in_place(module: nn.Module, config: PretrainedConfig, parallel: TensorParallel) -> None:
+    """Cut an already loaded ``module`` (a draft head) down to this rank's shard by the names of its parameters,
+    as :func:`shard_of` cuts a target (``config``: its shapes; ``lm_head.weight``: the vocabulary rows, the last
+    rank's tail zero padding). Whole parameters stay as they are, shared ones (an embedding) untouched."""
+    for module_name, sub in module.named_modules():
+        for param_name, param in list(sub._parameters.items()):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            shard = None if param is None else shard_of(name, config, parallel)
+            if shard is None:
+                continue
+            before = (slice(None),) * shard.dim
+            part = torch.cat([param.data[(*before, slice(a, b))] for a, b in shard.ranges(param.shape[shard.dim])],
+                             dim=shard.dim)
+            if part.shape[shard.dim] < shard.stop - shard.start and not shard.halves:  # vocabulary padding
+                pad = list(part.shape)
+                pad[shard.dim] = shard.stop - shard.start - part.shape[shard.dim]
+                part = torch.cat([part, part.new_zeros(pad)], dim=shard.dim)
+            part = torch.zeros_like(part) if shard.zero else part
+            sub._parameters[param_name] = nn.Parameter(part.contiguous(), requires_grad=False)
+        if isinstance(sub, nn.Linear):
+            sub.out_features, sub.in_features = sub.weight.shape
+
+
 def rebuild_meta_buffers(hf: PreTrainedModel, config: PretrainedConfig, device: torch.device) -> None:
     """Rotary modules hold computed (non-checkpoint) buffers: build them again on ``device``."""
     for name, module in list(hf.named_modules()):

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from ...distributed.parallel import TensorParallel, check_shardable, gather_vocab
+from ...distributed.sharding import shard_in_place
 from ...model.attention import AttentionMetadata, attend
 from ...model.layers import COMPILE_OPTIONS, MLP, Attention, few_row_kernels, linear, norm
 from ...model.rotary import RotaryTable, apply_rotary
@@ -89,6 +91,7 @@ class Eagle3DraftModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, head.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
         self.rope_table: RotaryTable | None = None  # set by fuse()
+        self.parallel: TensorParallel | None = None  # set by shard()
         self._compiled = None  # torch.compile of _forward, for generation-only (graphed) steps
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if head.has_embedding
                              else target_embedding)
@@ -107,9 +110,38 @@ class Eagle3DraftModel(nn.Module):
         model.d2t.copy_(ckpt.state_dict["d2t"])
         return model.to(device=device, dtype=dtype)
 
+    def shard(self, parallel: TensorParallel) -> None:
+        """Keep this tensor-parallel rank's part of the head, split as the target is (``distributed/sharding.py``):
+        its attention heads (q/k/v rows, o columns), MLP units (gate/up rows, down columns) and draft-vocabulary
+        rows of lm_head; fc, the norms and the embedding stay whole. Before :meth:`fuse`, whose layers then
+        all-reduce the o and down partial sums (the residual added once), and :meth:`compute_logits` gathers the
+        vocabulary. Every rank computes the same hidden rows, so the drafts are the same on every rank."""
+        if self.is_fused:
+            raise RuntimeError("shard the EAGLE-3 head before fusing it")
+        if any(type(m).__name__ == "Fp8Linear" for m in self.modules()):
+            raise ValueError("tp_draft='sharded' with an FP8 head (draft_quantization) is not supported; use "
+                             "tp_draft='replicated'")
+        config = self.head.llama_config.__class__.from_dict(
+            {**self.head.llama_config.to_dict(), "vocab_size": self.head.draft_vocab_size})
+        try:
+            check_shardable(config, parallel.size)
+        except ValueError as exc:
+            raise ValueError(f"tp_draft='sharded': the EAGLE-3 head cannot be split: {exc}") from None
+        shard_in_place(self, config, parallel)
+        attn = self.midlayer.self_attn
+        attn.num_heads = attn.q_proj.out_features // attn.head_dim
+        attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.parallel = parallel
+
+    @property
+    def is_fused(self) -> bool:
+        return not isinstance(self.midlayer.self_attn, Eagle3Attention)
+
     def fuse(self, max_positions: int) -> None:
         """Inference fast path: fused projections and a precomputed RoPE table for positions < max_positions."""
         self.midlayer.fuse()
+        if self.parallel is not None:
+            self.midlayer.self_attn.tp_group = self.midlayer.mlp.tp_group = self.parallel.group_name
         if self.rope_table is None:
             self.rope_table = RotaryTable.from_hf(self.rotary_emb, max_positions, self.lm_head.weight.dtype)
         elif self.rope_table.max_positions < max_positions:
@@ -117,8 +149,12 @@ class Eagle3DraftModel(nn.Module):
 
     @property
     def kv_shape(self) -> tuple[int, int]:
+        """(KV heads, head_dim) of the head's KV layer (this rank's KV heads once sharded)."""
         cfg = self.head.llama_config
-        return cfg.num_key_value_heads, cfg.head_dim
+        if self.parallel is None:
+            return cfg.num_key_value_heads, cfg.head_dim
+        start, stop = self.parallel.kv_heads(cfg.num_key_value_heads)
+        return stop - start, cfg.head_dim
 
     @property
     def vocab_offsets(self) -> torch.Tensor | None:
@@ -147,8 +183,11 @@ class Eagle3DraftModel(nn.Module):
         return cos[0][:, None], sin[0][:, None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [M, H] -> draft-vocabulary logits [M, V_draft] fp32."""
-        return linear(self.norm(hidden), self.lm_head).float()
+        """Pre-norm hidden [M, H] -> draft-vocabulary logits [M, V_draft] fp32 (sharded: gathered from every rank)."""
+        logits = linear(self.norm(hidden), self.lm_head).float()
+        if self.parallel is not None:
+            logits = gather_vocab(logits, self.head.draft_vocab_size, self.parallel)
+        return logits
 
 
 def resolve_capture_layers(override: tuple[int, ...] | None, checkpoint_ids: tuple[int, ...] | None,
