@@ -11,6 +11,7 @@ from ...distributed.parallel import TensorParallel, check_shardable, gather_voca
 from ...distributed.sharding import shard_in_place
 from ...model.attention import AttentionMetadata, attend
 from ...model.layers import COMPILE_OPTIONS, MLP, Attention, few_row_kernels, linear, norm
+from ...model.quant.linear import Fp8Linear
 from ...model.rotary import RotaryTable, apply_rotary
 from .checkpoint import Eagle3Checkpoint, Eagle3HeadConfig
 
@@ -118,7 +119,7 @@ class Eagle3DraftModel(nn.Module):
         vocabulary. Every rank computes the same hidden rows, so the drafts are the same on every rank."""
         if self.is_fused:
             raise RuntimeError("shard the EAGLE-3 head before fusing it")
-        if any(type(m).__name__ == "Fp8Linear" for m in self.modules()):
+        if any(isinstance(m, Fp8Linear) for m in self.modules()):
             raise ValueError("tp_draft='sharded' with an FP8 head (draft_quantization) is not supported; use "
                              "tp_draft='replicated'")
         config = self.head.llama_config.__class__.from_dict(
