@@ -63,7 +63,8 @@ def main() -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--speed-prompts", type=int, default=4,
                    help="prompts timed for tokens/s (batch 1, T=0; 0: acceptance only)")
-    p.add_argument("--repeats", type=int, default=2, help="timed repetitions (best kept)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions, the models taking turns (median "
+                   "kept; speedups: the median of each repetition's ratio to plain)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", choices=["fp8"], help="the target's linear layers quantized to FP8 at load, "

@@ -129,3 +129,12 @@ def test_cli_writes_json_table_and_plot(tmp_path, monkeypatch):
     assert list(edit["speed"]) == ["plain", *result["heads"]]
     assert (out / "acceptance.md").read_text().startswith("## Summary")
     assert (out / "acceptance.png").is_file() == bool(importlib.util.find_spec("matplotlib"))
+
+
+def test_speed_is_the_median_run_and_the_speedup_the_median_in_run_ratio():
+    from tllm_spec.tools.acceptance_eval import _median_ratio, _median_run
+
+    plain = [{"tokens_per_s": t} for t in (100.0, 50.0, 80.0)]  # the second repeat ran on a loaded machine
+    spec = [{"tokens_per_s": t} for t in (150.0, 100.0, 150.0)]
+    assert _median_run(plain)["tokens_per_s"] == 80.0 and _median_run(spec)["tokens_per_s"] == 150.0
+    assert _median_ratio(spec, plain) == 1.875  # ratios 1.5, 2.0, 1.875: not 150 / 80

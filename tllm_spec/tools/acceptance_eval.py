@@ -153,12 +153,14 @@ def ratio_standard_error(per_prompt: list[tuple[int, int]]) -> float:
     return (m / (m - 1) * residuals) ** 0.5 / steps
 
 
-def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_tokens: int, repeats: int = 2
+def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_tokens: int, repeats: int = 3
                ) -> dict[str, dict[str, float]]:
-    """Best-of-``repeats`` wall-clock tokens/s (prefill included) and decode-only tokens/s per model, greedy,
-    batch 1; the models take turns so background load hits them alike."""
+    """Per model its median run of ``repeats`` (wall-clock tokens/s with prefill, decode-only tokens/s, step ms),
+    greedy, batch 1. The models take turns in every repeat, so background load hits them alike, and each one's
+    ``speedup`` is the median over repeats of its tokens/s over plain's in the same repeat (an in-run ratio;
+    needs a model named "plain")."""
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    best: dict[str, dict[str, float]] = {}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in models}
     for model in models.values():
         model.generate([prompts[0]], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
     for _ in range(repeats):
@@ -167,17 +169,32 @@ def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_t
             stats = model.generate(prompts, params).stats
             seconds = time.perf_counter() - start
             decode_tokens = stats["mean_accepted_length"] * stats["decode_steps"]
-            run = {"tokens_per_s": stats["num_tokens"] / seconds, "seconds": seconds,
-                   "decode_tokens_per_s": decode_tokens / max(stats["decode_seconds"], 1e-9),
-                   "step_ms": stats["step_ms"]}
-            if name not in best or run["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = {k: round(v, 3) for k, v in run.items()}
-    return best
+            runs[name].append({"tokens_per_s": stats["num_tokens"] / seconds, "seconds": seconds,
+                               "decode_tokens_per_s": decode_tokens / max(stats["decode_seconds"], 1e-9),
+                               "step_ms": stats["step_ms"]})
+    result = {}
+    for name, rs in runs.items():
+        result[name] = {k: round(v, 3) for k, v in _median_run(rs).items()}
+        if name != "plain" and "plain" in runs:
+            result[name]["speedup"] = round(_median_ratio(rs, runs["plain"]), 3)
+    return result
+
+
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run of median tokens/s (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
+def _median_ratio(runs: list[dict[str, float]], baseline: list[dict[str, float]]) -> float:
+    """The median over repeats of tokens/s over the baseline's in the same repeat (the upper one of an even
+    count)."""
+    ratios = sorted(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline, strict=True))
+    return ratios[len(ratios) // 2]
 
 
 def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]], max_new_tokens: int,
              temperatures: tuple[float, ...] = (0.0, 1.0), device: str = "cpu", dtype: str | None = None,
-             speed_prompts: int = 4, repeats: int = 2, progress: bool = True, label: str = "",
+             speed_prompts: int = 4, repeats: int = 3, progress: bool = True, label: str = "",
              quantization: str | None = None) -> dict[str, object]:
     """Acceptance per method and temperature, then the speed comparison; one JSON-ready dict. At T = 0 each
     method's outputs are compared with plain greedy decoding's (``prompts_matching_plain``). ``prompt_tokens``:
@@ -207,10 +224,7 @@ def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]]
                       flush=True)
     result["speed"] = {}
     if speed_prompts > 0:  # 0: acceptance only
-        speed = throughput(models, prompts[:speed_prompts], max_new_tokens, repeats)
-        for name in heads:
-            speed[name]["speedup"] = round(speed[name]["tokens_per_s"] / speed["plain"]["tokens_per_s"], 3)
-        result["speed"] = speed
+        result["speed"] = throughput(models, prompts[:speed_prompts], max_new_tokens, repeats)
     for model in models.values():
         model.close()
     return result
