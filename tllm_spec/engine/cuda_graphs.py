@@ -7,14 +7,16 @@ Inputs live in one static int64 buffer (token ids, positions, slots, drafts), re
 host-to-device copy per step; the sampling rows live in SpecMetadata's static buffers. A batch is padded
 to its bucket with greedy dummy requests whose block-table row points only at the scratch page, so their
 K/V writes land where nobody reads. Target verify, acceptance, sampling and all K draft passes replay as
-one graph. With ``compile_step`` on a fused single-GPU target, the step is compiled whole (embedding,
-acceptance, sampling, draft passes fused; dynamic shapes, so one compilation serves every bucket above 1) but for
-the decoder layers, which run one compiled layer each (one compilation serves all layers: ``FusedDecoder``),
-replayed inside each CUDA graph.
+one graph. With ``compile_step`` on a fused target, the step is compiled whole (embedding, acceptance,
+sampling, draft passes fused; dynamic shapes, so one compilation serves every bucket above 1) but for the decoder
+layers, which run one compiled layer each (one compilation serves all layers: ``FusedDecoder``), replayed inside
+each CUDA graph. Under tensor parallelism the step's collectives trace as the layers' do; its traces are not kept
+on disk there (:func:`compiled_generation_step`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -115,17 +117,19 @@ def generation_step(model: OneModel, kv: KVCache, ids: torch.Tensor, positions: 
     return model.packed_forward(ids, attn, drafts)
 
 
-def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
+def compiled_generation_step(backend: str = "inductor", cache_traces: bool = True) -> Callable[..., torch.Tensor]:
     """:func:`generation_step` under torch.compile with dynamic shapes, the fused layers compiled with the same
-    backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings` and
-    inference mode. Its traces, and the layers', are loaded from disk where an earlier process kept them
-    (:mod:`tllm_spec.trace_cache`)."""
+    backend (:func:`tllm_spec.model.decoder.layer_backend`); call it inside :func:`step_compile_settings` (with
+    the same ``cache_traces``) and inference mode. With ``cache_traces`` its traces, and the layers', are loaded
+    from disk where an earlier process kept them (:mod:`tllm_spec.trace_cache`); tensor-parallel ranks do not
+    cache them: every rank would write the same package at once, each guarded on its own device."""
     options = None
     if backend == "inductor":  # Inductor's coalescing analysis asserts on some of a dynamic tree's fused nodes
         from torch._inductor import config as inductor_config
         options = {**COMPILE_OPTIONS, **({"triton.coalesce_tiling_analysis": False}
                                          if hasattr(inductor_config.triton, "coalesce_tiling_analysis") else {})}
-    step = trace_cache.compile(generation_step, dynamic=True, backend=backend, options=options)
+    compile_fn = trace_cache.compile if cache_traces else torch.compile
+    step = compile_fn(generation_step, dynamic=True, backend=backend, options=options)
 
     def run(*args) -> torch.Tensor:
         with layer_backend(backend):
@@ -133,13 +137,14 @@ def compiled_generation_step(backend: str = "inductor") -> Callable[..., torch.T
     return run
 
 
-def step_compile_settings() -> contextlib.ExitStack:
+def step_compile_settings(cache_traces: bool = True) -> contextlib.ExitStack:
     """Dynamo settings the compiled step needs: no duck sizing (a batch of 2 must not be tied to a model's 2 KV
     heads, which would specialise it) and room for one compilation per (sampling variant, draft lengths, batch
-    1 or more) the buckets capture (limits this torch version does not know are left alone); traces recorded
-    for :func:`trace_cache.save`."""
+    1 or more) the buckets capture (limits this torch version does not know are left alone); with
+    ``cache_traces``, traces recorded for :func:`trace_cache.save`."""
     stack = contextlib.ExitStack()
-    stack.enter_context(trace_cache.caching())
+    if cache_traces:
+        stack.enter_context(trace_cache.caching())
     stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
     limits = {name: value for name, value in (("recompile_limit", 64), ("accumulated_recompile_limit", 1024))
               if hasattr(torch._dynamo.config, name)}
@@ -149,14 +154,17 @@ def step_compile_settings() -> contextlib.ExitStack:
 
 class CUDAGraphRunner:
     """Captures lazily, on the first step of each bucket; replays afterwards. ``compile_step``: capture the
-    step compiled whole (:func:`compiled_generation_step`) instead of eagerly traced kernels."""
+    step compiled whole (:func:`compiled_generation_step`; its traces kept on disk but for a tensor-parallel
+    target) instead of eagerly traced kernels."""
 
     def __init__(self, model: OneModel, kv_cache: KVCache, schedule: DraftLenSchedule, max_batch_size: int,
                  compile_step: bool):
         self.model, self.kv_cache, self.schedule = model, kv_cache, schedule
         self.compile_step = compile_step
-        self.step = compiled_generation_step() if compile_step else generation_step
-        self.compile_settings = step_compile_settings if compile_step else contextlib.nullcontext
+        self.cache_traces = compile_step and model.target.parallel is None
+        self.step = compiled_generation_step(cache_traces=self.cache_traces) if compile_step else generation_step
+        self.compile_settings = (functools.partial(step_compile_settings, self.cache_traces) if compile_step
+                                 else contextlib.nullcontext)
         self.k = model.max_draft_len
         self.buckets = batch_buckets(max_batch_size)
         max_tokens = self.buckets[-1] * (self.k + 1)
@@ -266,7 +274,7 @@ class CUDAGraphRunner:
 
     def _keep_traces(self) -> None:
         """After captures: the compiled step's traces to disk, for the next process (:mod:`tllm_spec.trace_cache`)."""
-        if self.compile_step:
+        if self.cache_traces:
             trace_cache.save()
 
     def _capture_into(self, key: GraphKey) -> None:

@@ -96,9 +96,9 @@ class ModelRunner:
 
     @property
     def compiles_step_whole(self) -> bool:
-        """Whether ``compile_step`` compiles the graphed step whole (a fused target on one GPU) rather than the
-        target's layers and the EAGLE-3 head's passes module by module (stock layers, tensor parallel)."""
-        return self.target.fused is not None and self.target.parallel is None
+        """Whether ``compile_step`` compiles the graphed step whole (a fused target, on one GPU or tensor
+        parallel) rather than the target's layers and the EAGLE-3 head's passes module by module (stock layers)."""
+        return self.target.fused is not None
 
     def new_graph_runner(self) -> CUDAGraphRunner:
         """A graph runner without captured graphs (the compiled step's Dynamo cache is kept: it lives on the
