@@ -20,6 +20,7 @@ from tllm_spec.kernels import rms_norm as rms_norm_module
 from tllm_spec.kernels import rotary as rotary_module
 from tllm_spec.kernels import silu_mul as silu_mul_module
 from tllm_spec.kernels import skinny_linear as skinny_module
+from tllm_spec.kernels import uniform as uniform_module
 from tllm_spec.model.rotary import apply_rotary
 
 kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for CPU tensors
@@ -220,6 +221,18 @@ def _rms_norm_case(rows: int, width: int, dtype: torch.dtype) -> None:
     ref = rms_norm_module.rms_norm_ref(x.float(), weight.float(), 1e-6)
     assert out.dtype == dtype and out.shape == (rows, width)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def _uniform_case(streams: tuple[int, int], shape: tuple[int, ...], salt: int) -> None:
+    """Bit for bit the reference's draws: one stream or one per row (seed or offset per row), 63-bit seeds
+    (their high half folded in), a draw longer than one program's block."""
+    g = torch.Generator().manual_seed(sum(shape) + salt)
+    seed = torch.randint(0, 2**62, (streams[0],), generator=g) * 2 + 1
+    offset = torch.randint(0, 2**40, (streams[1],), generator=g)
+    out = uniform_module.uniform(seed, offset, shape, salt)
+    ref = uniform_module.uniform_ref(seed, offset, shape, salt)
+    assert out.shape == ref.shape == shape and out.dtype == torch.float32
+    assert torch.equal(out, ref) and 0 < out.min() and out.max() < 1
 
 
 def _silu_mul_case(rows: int, width: int, dtype: torch.dtype) -> None:
@@ -423,6 +436,10 @@ def main() -> None:
     for rows, width, dtype in itertools.product([1, 4], [100, 4096], [torch.float16, torch.bfloat16]):
         _rms_norm_case(rows, width, dtype)
         print(f"ok rms_norm rows={rows} width={width} {dtype}")
+    for streams, shape, salt in itertools.product([(1, 1), (3, 1), (1, 3), (3, 3)], [(3, 1500), (3, 2, 5)],
+                                                  [0, 0x9E3779B9]):
+        _uniform_case(streams, shape, salt)
+        print(f"ok uniform streams={streams} shape={shape} salt={salt}")
     for rows, width, dtype in itertools.product([1, 5], [8, 1100], [torch.float16, torch.float32]):
         _silu_mul_case(rows, width, dtype)
         print(f"ok silu_mul rows={rows} width={width} {dtype}")

@@ -27,6 +27,7 @@ def test_kernels_match_references_under_the_interpreter():
     assert result.stdout.count("ok skinny_linear") == 48 and result.stdout.count("ok epilogue skinny_linear") == 32
     assert result.stdout.count("ok rotary skinny_linear") == 16
     assert result.stdout.count("ok rms_norm") == 8 and result.stdout.count("ok move_rows") == 16
+    assert result.stdout.count("ok uniform") == 16
     assert result.stdout.count("ok silu_mul") == 8 and result.stdout.count("ok rotary tokens") == 16
     assert result.stdout.count("ok moe_align") == 28 and result.stdout.count("ok fused_moe") == 24
     assert result.stdout.count("ok moe_topk") == 12
