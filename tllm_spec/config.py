@@ -143,19 +143,20 @@ class EngineConfig(_Frozen):
                                                  "smaller ones capture the eager step, which starts in seconds. "
                                                  "Ignored on CPU and with enforce_eager")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (ranks) the target is split over; "
-                                      "launch with torchrun --nproc-per-node N (gloo on CPU); the draft is "
-                                      "replicated on every rank")
+                                      "launch with torchrun --nproc-per-node N (gloo on CPU); the draft as "
+                                      "tp_draft says")
     tp_all_reduce: Literal["auto", "one_shot", "nccl"] = Field(
         "auto", description="tensor parallel on GPUs: 'auto' sums a decoding step's rows with tllm_spec's Lamport "
         "kernel over peer-to-peer symmetric memory, with the residual add and the next RMSNorm in it "
         "(distributed/lamport.py), other inputs up to 512 KB with torch's one-shot kernel, larger ones through "
         "NCCL, each where torch and the GPUs allow it; 'one_shot': torch's one-shot kernel up to 512 KB, "
         "NCCL above; 'nccl': every all-reduce through NCCL")
-    tp_draft: Literal["replicated", "sharded"] = Field(
-        "replicated", description="tensor parallel: an EAGLE-3 head whole on every rank ('replicated'), or split "
-        "like the target ('sharded': its attention heads, MLP units and draft vocabulary; its fc, norms and "
-        "embedding whole), which reads a rank's share of the head's bytes a step for 3 small collectives a "
-        "pass; MTP modules and draft LMs are always replicated")
+    tp_draft: Literal["auto", "replicated", "sharded"] = Field(
+        "auto", description="tensor parallel: an EAGLE-3 head split like the target ('sharded': its attention "
+        "heads, MLP units and draft vocabulary; its fc, norms and embedding whole), which reads a rank's share of "
+        "the head's bytes a step for 3 small collectives a pass, or whole on every rank ('replicated'); 'auto' "
+        "splits a head that can be split (not an FP8 head, heads and units divisible by the ranks) and keeps "
+        "any other whole; MTP modules and draft LMs are always replicated")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -88,16 +88,20 @@ def _generate_tp2(target: str, head: str) -> dict[str, list[list[int]]]:
     out = {}
     tree = Eagle3Config(speculative_model=head, max_draft_len=3, use_dynamic_tree=True, dynamic_tree_max_topK=2,
                         max_total_draft_tokens=6, use_rejection_sampling=True)
-    for name, spec in (("eagle3", eagle3(Path(head), 3)), ("plain", None), ("dynamic tree", tree)):
+    static = Eagle3Config(speculative_model=head, max_draft_len=2, eagle_choices=[[0], [1], [0, 0], [0, 1], [1, 0]])
+    for name, spec in (("eagle3", eagle3(Path(head), 3)), ("plain", None), ("dynamic tree", tree),
+                       ("static tree", static)):
         model = SpecModel.from_pretrained(target, spec, max_batch_size=2, tensor_parallel_size=WORLD_SIZE)
         assert model.target.fused is not None and model.target.parallel.size == WORLD_SIZE
+        if spec is not None:  # tp_draft="auto": the head split like the target, a chain's and a tree's
+            out[f"{name} head split"] = model.worker.draft_model.parallel is not None
         outs = model.generate(PROMPTS, params)
         out[name] = [o.token_ids for o in outs]
         out[f"{name} logprobs"] = [outs[0].logprobs, outs[0].top_logprobs]
     return out
 
 
-@pytest.mark.slow  # two processes decoding three kinds: nineteen seconds on the 2-core machine
+@pytest.mark.slow  # two processes decoding four kinds: twenty seconds or more on the 2-core machine
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
     target, head = tiny_tp_pair(arch)
@@ -112,7 +116,9 @@ def test_tp2_greedy_equals_tp1_and_hf_generate(arch):
     assert ranks[0]["eagle3"] == hf
     assert ranks[0]["plain"] == hf
     assert ranks[0]["dynamic tree"] == hf  # each rank grows the same trees from the gathered logits
-    for name in ("eagle3 logprobs", "plain logprobs", "dynamic tree logprobs"):  # the gathered vocabulary's log-softmax, as TP 1's
+    assert ranks[0]["static tree"] == hf
+    assert ranks[0]["eagle3 head split"] and ranks[0]["dynamic tree head split"] and ranks[0]["static tree head split"]
+    for name in ("eagle3 logprobs", "plain logprobs", "dynamic tree logprobs", "static tree logprobs"):  # the gathered vocabulary's log-softmax, as TP 1's
         logprobs, tops = ranks[0][name]
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(tp1_outs[0].logprobs), atol=1e-4)
         assert [list(top) for top in tops] == [list(top) for top in tp1_outs[0].top_logprobs]

@@ -125,11 +125,16 @@ class SpecWorkerBase(nn.Module, ABC):
         layers ``draft_quantization`` quantizes before :meth:`fuse`."""
         return getattr(self, "draft_model", None)
 
+    def shard_refusal(self, parallel) -> str | None:
+        """Why the draft network cannot be split over the tensor-parallel group; None where it can (an EAGLE-3
+        head of a shardable shape and dtype)."""
+        return (f"tp_draft='sharded' splits an EAGLE-3 head; {type(self).__name__}'s draft is replicated: use "
+                "tp_draft='replicated'")
+
     def shard_draft(self, parallel) -> None:
-        """Split the draft network over the tensor-parallel group (``EngineConfig.tp_draft="sharded"``), before
-        :meth:`fuse`; only an EAGLE-3 head can be, the other drafts refuse."""
-        raise ValueError(f"tp_draft='sharded' splits an EAGLE-3 head; {type(self).__name__}'s draft is replicated: "
-                         "use tp_draft='replicated'")
+        """Split the draft network over the tensor-parallel group (``EngineConfig.tp_draft``), before
+        :meth:`fuse`; only an EAGLE-3 head can be, the other drafts refuse (:meth:`shard_refusal`)."""
+        raise ValueError(self.shard_refusal(parallel))
 
     def fuse(self, max_positions: int) -> None:
         """Switch the draft network to its fused inference layers (positions < max_positions); default none."""

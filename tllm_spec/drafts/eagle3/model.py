@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ...distributed.parallel import TensorParallel, check_shardable, gather_vocab
@@ -111,6 +112,23 @@ class Eagle3DraftModel(nn.Module):
         model.d2t.copy_(ckpt.state_dict["d2t"])
         return model.to(device=device, dtype=dtype)
 
+    def _vocab_config(self) -> PretrainedConfig:
+        """The head's Llama config with its draft vocabulary as ``vocab_size`` (the lm_head rows it splits)."""
+        return self.head.llama_config.__class__.from_dict(
+            {**self.head.llama_config.to_dict(), "vocab_size": self.head.draft_vocab_size})
+
+    def shard_refusal(self, parallel: TensorParallel) -> str | None:
+        """Why :meth:`shard` cannot split this head over ``parallel`` (an FP8 head, a shape the ranks do not
+        divide); None where it can."""
+        if any(isinstance(m, Fp8Linear) for m in self.modules()):
+            return ("tp_draft='sharded' with an FP8 head (draft_quantization) is not supported; use "
+                    "tp_draft='replicated'")
+        try:
+            check_shardable(self._vocab_config(), parallel.size)
+        except ValueError as exc:
+            return f"tp_draft='sharded': the EAGLE-3 head cannot be split: {exc}"
+        return None
+
     def shard(self, parallel: TensorParallel) -> None:
         """Keep this tensor-parallel rank's part of the head, split as the target is (``distributed/sharding.py``):
         its attention heads (q/k/v rows, o columns), MLP units (gate/up rows, down columns) and draft-vocabulary
@@ -119,16 +137,10 @@ class Eagle3DraftModel(nn.Module):
         vocabulary. Every rank computes the same hidden rows, so the drafts are the same on every rank."""
         if self.is_fused:
             raise RuntimeError("shard the EAGLE-3 head before fusing it")
-        if any(isinstance(m, Fp8Linear) for m in self.modules()):
-            raise ValueError("tp_draft='sharded' with an FP8 head (draft_quantization) is not supported; use "
-                             "tp_draft='replicated'")
-        config = self.head.llama_config.__class__.from_dict(
-            {**self.head.llama_config.to_dict(), "vocab_size": self.head.draft_vocab_size})
-        try:
-            check_shardable(config, parallel.size)
-        except ValueError as exc:
-            raise ValueError(f"tp_draft='sharded': the EAGLE-3 head cannot be split: {exc}") from None
-        shard_in_place(self, config, parallel)
+        refusal = self.shard_refusal(parallel)
+        if refusal is not None:
+            raise ValueError(refusal)
+        shard_in_place(self, self._vocab_config(), parallel)
         attn = self.midlayer.self_attn
         attn.num_heads = attn.q_proj.out_features // attn.head_dim
         attn.num_kv_heads = attn.k_proj.out_features // attn.head_dim
@@ -184,10 +196,12 @@ class Eagle3DraftModel(nn.Module):
         return cos[0][:, None], sin[0][:, None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [M, H] -> draft-vocabulary logits [M, V_draft] fp32 (sharded: gathered from every rank)."""
+        """Pre-norm hidden [..., H] -> draft-vocabulary logits [..., V_draft] fp32 (sharded: gathered from every
+        rank, a tree's [B, F, H] frontier as its B x F rows)."""
         logits = linear(self.norm(hidden), self.lm_head).float()
         if self.parallel is not None:
-            logits = gather_vocab(logits, self.head.draft_vocab_size, self.parallel)
+            rows = logits.flatten(0, -2)
+            logits = gather_vocab(rows, self.head.draft_vocab_size, self.parallel).view(*logits.shape[:-1], -1)
         return logits
 
 

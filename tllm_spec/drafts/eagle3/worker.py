@@ -58,6 +58,9 @@ class Eagle3OneModelWorker(SpecWorkerBase):
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return [self.draft_model.kv_shape]
 
+    def shard_refusal(self, parallel) -> str | None:
+        return self.draft_model.shard_refusal(parallel)
+
     def shard_draft(self, parallel) -> None:
         self.draft_model.shard(parallel)
 
