@@ -112,8 +112,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp-all-reduce", choices=["auto", "one_shot", "nccl"], default="auto",
                    help="EngineConfig.tp_all_reduce: a step's all-reduces through tllm_spec's Lamport kernel (auto), "
                    "torch's one-shot kernel, or NCCL")
-    p.add_argument("--tp-draft", choices=["replicated", "sharded"], default="replicated",
-                   help="EngineConfig.tp_draft: the EAGLE-3 head whole on every rank, or split like the target")
+    p.add_argument("--tp-draft", choices=["auto", "replicated", "sharded"], default="auto",
+                   help="EngineConfig.tp_draft: the EAGLE-3 head split like the target where it can be (auto), whole "
+                   "on every rank, or split")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1")
     p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
