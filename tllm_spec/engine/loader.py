@@ -83,8 +83,8 @@ def runner_for_target(target: TargetModel, spec_config: SpecConfig | None, engin
     worker = WORKER_BUILDERS[type(spec_config)](target, spec_config, engine_config.max_batch_size)
     if draft_quantization:
         quantize_draft(worker)
-    if tp_size > 1 and (engine_config.tp_draft == "sharded" or engine_config.tp_draft == "auto"
-                        and worker.shard_refusal(target.parallel) is None):
+    if tp_size > 1 and (engine_config.tp_draft == "sharded"
+                        or (engine_config.tp_draft == "auto" and worker.shard_refusal(target.parallel) is None)):
         worker.shard_draft(target.parallel)
     return ModelRunner(target, worker, spec_config.spec_dec_mode, engine_config, tokenizer,
                        spec_config.draft_len_schedule)

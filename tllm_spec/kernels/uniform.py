@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 
 _MASK32 = 0xFFFFFFFF
 BLOCK = 1024  # draws a program makes
-MAX_PER_KEY = 2**31  # the kernel's element index is int32 (the reference's high half, index >> 32, is then 0)
+MAX_PER_KEY = 2**31 - BLOCK  # the kernel's element index is int32, its last block's too (the reference's high
+# half, index >> 32, is then 0)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
