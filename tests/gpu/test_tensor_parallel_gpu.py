@@ -30,8 +30,11 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < W
 
 
 def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_size: int, compile_step: bool,
-            tp_draft: str = "replicated") -> dict:
+            tp_draft: str = "replicated", tree: bool = False) -> dict:
     spec = eagle3(Path(head), 3) if head else None
+    if tree:  # a dynamic tree: the split head's frontier logits gathered as B x F rows
+        spec = spec.model_copy(update={"use_dynamic_tree": True, "dynamic_tree_max_topK": 2,
+                                       "max_total_draft_tokens": 6})
     with SpecModel.from_pretrained(target, spec, dtype=dtype, device="cuda", max_batch_size=4,
                                    tensor_parallel_size=tensor_parallel_size, compile_step=compile_step,
                                    tp_draft=tp_draft if tensor_parallel_size > 1 else "replicated") as model:
@@ -40,20 +43,23 @@ def _greedy(target: str, head: str | None, dtype: torch.dtype, tensor_parallel_s
                 "lamport": any(key[1] == dtype for key in lamport._registry)}
 
 
-@pytest.mark.parametrize("dtype,speculative,tp_draft", [
-    pytest.param(torch.bfloat16, True, "replicated", marks=pytest.mark.compiles), (torch.float32, True, "replicated"),
-    (torch.float32, False, "replicated"), (torch.bfloat16, False, "replicated"), (torch.float32, True, "sharded")])
-def test_tp2_graphed_greedy_equals_tp1(dtype, speculative, tp_draft):
-    """tp_draft="sharded": the EAGLE-3 head split like the target, its o and down sums all-reduced in the graph."""
+@pytest.mark.parametrize("dtype,speculative,tp_draft,tree", [
+    pytest.param(torch.bfloat16, True, "replicated", False, marks=pytest.mark.compiles),
+    (torch.float32, True, "replicated", False), (torch.float32, False, "replicated", False),
+    (torch.bfloat16, False, "replicated", False), (torch.float32, True, "sharded", False),
+    (torch.float32, True, "auto", True)])
+def test_tp2_graphed_greedy_equals_tp1(dtype, speculative, tp_draft, tree):
+    """tp_draft="sharded" (and "auto", the default, for an EAGLE-3 head it can split): the head split like the
+    target, its o and down sums all-reduced in the graph; with a dynamic tree, its frontier's logits gathered."""
     target, head = tiny_tp_pair("llama")
     head = str(head) if speculative else None
     compile_step = dtype == torch.bfloat16 and speculative
-    ranks = run_ranks(_greedy, str(target), head, dtype, WORLD_SIZE, compile_step, tp_draft, backend="nccl")
+    ranks = run_ranks(_greedy, str(target), head, dtype, WORLD_SIZE, compile_step, tp_draft, tree, backend="nccl")
     for answer in ranks:
         assert isinstance(answer, dict), answer
     assert ranks[0] == ranks[1] and ranks[0]["graphs"] > 0  # steps replayed CUDA graphs with NCCL inside
     assert ranks[0]["lamport"] == (dtype == torch.bfloat16)  # bf16 steps all-reduced through the Lamport kernel
-    tp1 = _greedy(str(target), head, dtype, 1, compile_step)
+    tp1 = _greedy(str(target), head, dtype, 1, compile_step, tree=tree)
     assert ranks[0]["tokens"] == tp1["tokens"]
     if dtype == torch.float32:
         assert tp1["tokens"] == [hf_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
