@@ -125,6 +125,9 @@ def test_dependent_launches_replay_in_a_cuda_graph(monkeypatch):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs Hopper or later")
     assert dependent_launch.launches_dependent(torch.empty(1, device="cuda"))
+    with monkeypatch.context() as m:  # the switch a profile turns PDL off with
+        m.setenv(dependent_launch.DEPENDENT_LAUNCH_VAR, "0")
+        assert not dependent_launch.launches_dependent(torch.empty(1, device="cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(4, 4096, device="cuda", generator=g).bfloat16()
     ws = [(torch.randn(*shape, device="cuda", generator=g) * shape[1] ** -0.5).bfloat16()

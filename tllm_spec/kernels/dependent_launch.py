@@ -9,8 +9,14 @@ or reads what the kernel in front may write, so it never overlaps more than its 
 moves data into L2. The paged attention also reads the step's positions before its wait (a split a run does not use
 exits there): no step writes positions in the kernel right before an attention (a chain's positions feed the
 rotary embedding in front of it; a draft tree's attention follows its own KV-write kernel).
+
+``TLLM_SPEC_DEPENDENT_LAUNCH=0`` launches every kernel plainly: for a profile whose kernel times are each kernel's
+own (with PDL a dependent's time includes its wait on the kernel in front), or to rule PDL out while debugging.
+Read at each launch (a CUDA graph keeps the launches it captured); the results are the same bits either way.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,10 +30,14 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 
+DEPENDENT_LAUNCH_VAR = "TLLM_SPEC_DEPENDENT_LAUNCH"
+
+
 def launches_dependent(t: torch.Tensor) -> bool:
     """Whether kernels for tensors like ``t`` launch as programmatic dependents: CUDA on Hopper or later, with a
-    triton that has ``gdc_wait`` (never under the interpreter)."""
-    return (t.is_cuda and runs_kernel(t) and hasattr(triton.language.extra.cuda, "gdc_wait")
+    triton that has ``gdc_wait`` (never under the interpreter), unless ``TLLM_SPEC_DEPENDENT_LAUNCH`` is "0"."""
+    return (t.is_cuda and runs_kernel(t) and os.environ.get(DEPENDENT_LAUNCH_VAR, "1").strip() != "0"
+            and hasattr(triton.language.extra.cuda, "gdc_wait")
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
