@@ -343,9 +343,8 @@ def format_profile(p: dict) -> str:
              f"{p['total_kernel_us_per_step'] / 1e3:.2f} ms of kernels per step in {p['kernels_per_step']:.0f} "
              f"launches (graph replay {p['graph_step_ms']:.2f} ms, profiler on)")]
     if p["total_kernel_us_per_step"] > 1e3 * p["graph_step_ms"]:
-        lines.append("  (kernels launched as programmatic dependents start before the kernel in front ends: each "
-                     "one's time includes its wait, so the times overlap and exceed the replay; "
-                     "TLLM_SPEC_DEPENDENT_LAUNCH=0 gives each kernel's own time)")
+        lines.append("  (kernels launched as programmatic dependents start early: each one's time includes its wait "
+                     "on the one in front, so they exceed the replay; TLLM_SPEC_DEPENDENT_LAUNCH=0: their own times)")
     lines += [f"  {g:28s} {us / 1e3:7.3f} ms" for g, us in p["kernel_us_per_step"].items()]
     lines += [f"    {k['us_per_step'] / 1e3:7.3f} ms  x{k['calls_per_step']:<4d} {k['name']}" for k in p["top_kernels"]]
     return "\n".join(lines)
