@@ -7,6 +7,7 @@ variant, the best configuration per shape, and writes the JSON.
 
     python3 scripts/bench_skinny_linear.py --shape llama-3.1-8b --rows 1 4 --out skinny.json
     python3 scripts/bench_skinny_linear.py --rows 4 16 26 32 --tiles chosen   # tile_config's tile only (fast)
+    python3 scripts/bench_skinny_linear.py --shape llama-3.1-8b-tp2 --rows 1 4   # one rank's shares at TP 2
     python3 scripts/bench_skinny_linear.py --plot-only skinny.json     # bar chart beside the JSON
 """
 from __future__ import annotations
@@ -25,6 +26,10 @@ from tllm_spec.kernels.skinny_linear import skinny_linear, tile_config
 SHAPES = {  # name -> [(projection, N, K)]
     "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                      ("lm_head", 128256, 4096), ("eagle3_fc", 4096, 12288), ("draft_lm_head", 32000, 4096)],
+    # one rank's shares at tensor parallelism 2 (the EAGLE-3 head split like the target, its fc whole)
+    "llama-3.1-8b-tp2": [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168),
+                         ("lm_head", 64128, 4096), ("eagle3_qkv", 3072, 8192), ("eagle3_fc", 4096, 12288),
+                         ("draft_lm_head", 16000, 4096)],
     "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
                  ("lm_head", 151936, 4096)],
 }
