@@ -182,14 +182,18 @@ def throughput(models: dict[str, SpecModel], prompts: list[list[int]], max_new_t
 
 def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     """The run of median tokens/s (the upper one of an even count)."""
-    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    return _upper_median(runs, key=lambda r: r["tokens_per_s"])
 
 
 def _median_ratio(runs: list[dict[str, float]], baseline: list[dict[str, float]]) -> float:
     """The median over repeats of tokens/s over the baseline's in the same repeat (the upper one of an even
     count)."""
-    ratios = sorted(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline, strict=True))
-    return ratios[len(ratios) // 2]
+    return _upper_median([r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline, strict=True)])
+
+
+def _upper_median(values: list, key=None):
+    """The median of ``values`` (by ``key``), the upper one of an even count."""
+    return sorted(values, key=key)[len(values) // 2]
 
 
 def evaluate(target: str, heads: dict[str, SpecConfig], prompts: list[list[int]], max_new_tokens: int,
