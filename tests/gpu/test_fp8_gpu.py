@@ -14,6 +14,7 @@ from tllm_spec.kernels.fp8_quant import quantize_activation, quantize_activation
 from tllm_spec.kernels.kv_write import kv_write, kv_write_ref
 from tllm_spec.kernels.paged_attention import paged_attention, paged_attention_ref
 from tllm_spec.kernels.rms_norm import rms_norm, rms_norm_fp8
+from tllm_spec.kernels.skinny_linear import rotate_columns_ref
 from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.spec_model import SpecModel
 
@@ -69,6 +70,26 @@ def test_kernel_matches_reference(scales, n, k, rows):
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape
         # both quantize x to the same bits; they differ in the order of the fp32 sums and in bf16 roundings
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("scales", ["channel", "tensor", "block"])
+@pytest.mark.parametrize("rows", [1, 4, 17, 26, 33, 64])
+def test_rotary_epilogue_is_the_stock_rotation(scales, rows):
+    """A fused q|k|v projection (32 q and 8 k heads of 128 rotated, 8 v heads not): the kernel's rotary epilogue
+    (up to MAX_ROWS rows; cuBLASLt and the stock rotation after it above) gives the stock rotation of its own
+    unrotated result bit for bit, and the reference's result; rows its norm quantized take it too."""
+    n, k, rotary_cols = 6144, 4096, 5120
+    x, w, ws, xs = _operands(rows, n, k, scales, seed=rows + 7)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    cos, sin = torch.rand(2, rows, 128, device="cuda", generator=g).bfloat16().unbind(0)
+    scheme = {"input_scale": xs, "block_scales": scales == "block"}
+    rope = {"rope_cos": cos, "rope_sin": sin, "rotary_cols": rotary_cols}
+    out, plain = fp8_linear(x, w, ws, **scheme, **rope), fp8_linear(x, w, ws, **scheme)
+    assert torch.equal(out, rotate_columns_ref(plain, cos, sin, rotary_cols))
+    torch.testing.assert_close(out.float(), fp8_linear_ref(x, w, ws, **scheme, **rope).float(), atol=3e-2, rtol=3e-2)
+    if scales == "channel":
+        x_q, x_scale = quantize_activation(x)
+        assert torch.equal(fp8_linear(x_q, w, ws, x_scale=x_scale, out_dtype=x.dtype, **rope), out)
 
 
 @pytest.mark.parametrize("scale_ub", [None, 3.0])
@@ -206,6 +227,28 @@ def test_fp8_target_speculation_is_lossless_in_graphs(kind):
     got = spec.generate(PROMPTS, params)
     assert spec.runner.graph_runner is not None and spec.runner.graph_runner.graphs, "no CUDA graph was used"
     assert [o.token_ids for o in got] == expected
+
+
+def test_bf16_fp8_target_rotates_in_the_qkv_epilogue_and_stays_lossless_in_graphs(tmp_path, monkeypatch):
+    """bf16 compute (the few-row path; the fp32 tests above take the stock one): heads of 64, so the FP8 qkv GEMM's
+    programs hold whole rotary pairs and its epilogue rotates (the stock rotation after it never runs), and EAGLE-3
+    speculation equals the FP8 target's own greedy output in CUDA graphs."""
+    from tllm_spec.kernels import fp8_linear as fp8_module
+    from tllm_spec.tools.random_models import save_random_head, save_random_target, target_config
+    cfg = target_config("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        intermediate_size=512, vocab_size=97, num_hidden_layers=8)
+    target = save_random_target(tmp_path / "target", cfg, seed=5)
+    head = save_random_head(tmp_path / "head", cfg, seed=6)
+    fallbacks = []  # the row counts the stock rotation after the GEMM took: prompt chunks only (cuBLASLt's)
+    monkeypatch.setattr(fp8_module, "rotate_columns_ref",
+                        lambda y, *a: fallbacks.append(y.shape[0]) or rotate_columns_ref(y, *a))
+    options = {"dtype": torch.bfloat16, "device": "cuda", "max_batch_size": 8, "quantization": "fp8"}
+    plain = SpecModel.from_pretrained(target, None, **options)
+    spec = SpecModel.from_pretrained(target, Eagle3Config(speculative_model=str(head), max_draft_len=3), **options)
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW]
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
+    assert spec.runner.graph_runner.graphs and all(rows > fp8_module.MAX_ROWS for rows in fallbacks)
 
 
 def test_no_host_sync_inside_an_fp8_step():

@@ -68,6 +68,23 @@ def test_op_passes_opcheck(bias):
     x_q, x_scale = quantize_activation(args[0])
     torch.library.opcheck(fp8_linear_op, (x_q, *args[1:]), dict(x_scale=x_scale, out_dtype=torch.float32),
                           test_utils=checks)
+    cos, sin = torch.randn(2, 3, 8).unbind(0)  # heads of 8: the q|k features 0..15 rotated
+    torch.library.opcheck(fp8_linear_op, args, dict(rope_cos=cos, rope_sin=sin, rotary_cols=16), test_utils=checks)
+
+
+def test_the_rotary_epilogues_reference_rotates_the_q_and_k_heads_of_the_projection():
+    """rope_cos, rope_sin: the first rotary_cols features rotated per head (the stock rotation), as the bf16 path
+    does, then the residual; an FP8 layer takes the rotation through layers.linear as a bf16 one does."""
+    from tllm_spec.kernels.skinny_linear import rotate_columns_ref
+    layer = Fp8Linear.quantize(nn.Linear(32, 48, bias=True))
+    x, residual = torch.randn(3, 32), torch.randn(3, 48)
+    cos, sin = torch.randn(2, 3, 8).unbind(0)
+    plain = fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.bias)
+    rotated = fp8_linear_ref(x, layer.weight, layer.weight_scale, layer.bias, residual=residual, rope_cos=cos,
+                             rope_sin=sin, rotary_cols=32)
+    assert torch.equal(rotated, residual + rotate_columns_ref(plain, cos, sin, 32))
+    assert torch.equal(rotated[:, 32:], residual[:, 32:] + plain[:, 32:]) and not torch.equal(rotated, residual + plain)
+    assert torch.equal(linear(x, layer, residual=residual, rope=(cos[:, None], sin[:, None]), rotary_cols=32), rotated)
 
 
 @pytest.mark.parametrize("scale_ub", [None, 0.5])

@@ -7,11 +7,12 @@ per token, optionally clamped to ``scale_ub``; per token and 128 columns for blo
 loop for block scales), rounded to x's dtype.
 
 Few rows (M <= ``MAX_ROWS``, a decoding step's) run :func:`_fp8_linear_kernel`: a weight-streaming GEMM like
-:mod:`.skinny_linear` over the quantized rows, whose epilogue holds the SwiGLU product of a fused gate/up projection
-or a residual add, as the bf16 kernel does. More rows (prompt chunks, large batches) with channel scales are
-``torch._scaled_mm`` (cuBLASLt, row-wise scales); with block scales the same Triton kernel over tiles of 32 rows.
-:func:`fp8_linear_ref` is the CPU path and the oracle: it quantizes the activation as the kernels do, dequantizes
-both operands to fp32 and multiplies, so a CPU model is the checkpoint's maths exactly.
+:mod:`.skinny_linear` over the quantized rows, whose epilogue holds the SwiGLU product of a fused gate/up projection,
+a residual add, or the RoPE of a fused q/k/v projection's q and k heads, as the bf16 kernel does. More rows (prompt
+chunks, large batches) with channel scales are ``torch._scaled_mm`` (cuBLASLt, row-wise scales; a rotation after
+it as the reference's ops); with block scales the same Triton kernel over tiles of 32 rows. :func:`fp8_linear_ref`
+is the CPU path and the oracle: it quantizes the activation as the kernels do, dequantizes both operands to fp32 and
+multiplies, so a CPU model is the checkpoint's maths exactly.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .. import kernels
 from . import dependent_launch
 from .fp8_quant import FP8, FP8_MAX, GROUP, quantize_activation, quantize_activation_ref
 from .silu_mul import silu_mul_ref
+from .skinny_linear import rotary_fits, rotate_columns_ref
 
 __all__ = ["FP8", "FP8_MAX", "GROUP", "MAX_ROWS", "dequantize_weight", "fp8_linear", "fp8_linear_op", "fp8_linear_ref",
            "quantize_activation", "quantize_activation_ref"]
@@ -59,13 +61,15 @@ def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block: t
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                    input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                    gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, rope_cos: torch.Tensor | None = None,
+                   rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle). x [M, K] (any float dtype); weight FP8 [N, K]; weight_scale
     fp32 [N], or [ceil(N/128), ceil(K/128)] with ``block_scales`` (the activation then quantized per 128 columns);
     ``input_scale``: a static activation scale; bias [N] -> y [M, N] in x's dtype (``gated``: silu(y[:, :N/2]) *
     y[:, N/2:] [M, N/2]; ``residual``: plus it, rounded as eager torch's ``residual + y``). ``x_scale`` [M, 1]:
     x is FP8 already, quantized per token with these scales (:func:`~.rms_norm.rms_norm_fp8`), and y is
-    ``out_dtype``."""
+    ``out_dtype``. ``rope_cos``, ``rope_sin`` [M, D]: y[:, :rotary_cols] rotated per head of D
+    (:func:`~.skinny_linear.rotate_columns_ref`)."""
     x_q, x_scale, dtype = _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub,
                                       quantize_activation_ref)
     rows, cols = x.shape
@@ -74,6 +78,8 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     y = F.linear(x_dq, w_dq, None if bias is None else bias.float()).to(dtype)
     if gated:
         y = silu_mul_ref(y)
+    if rope_cos is not None:
+        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols)
     return y if residual is None else residual + y
 
 
@@ -119,34 +125,50 @@ def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int] | None = None,
-               prefetch: int | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, rope_cos: torch.Tensor | None = None,
+               rope_sin: torch.Tensor | None = None, rotary_cols: int = 0,
+               config: tuple[int, int, int, int] | None = None, prefetch: int | None = None) -> torch.Tensor:
     """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`;
     ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton kernel, default :func:`tile_config`;
-    ``prefetch``: bytes of each weight row asked of L2 before the wait, default PREFETCH_BYTES."""
+    ``prefetch``: bytes of each weight row asked of L2 before the wait, default PREFETCH_BYTES. The rotation is
+    the Triton kernel's epilogue where :func:`~.skinny_linear.rotary_fits`, else the reference's ops after."""
+    rope = {"rope_cos": rope_cos, "rope_sin": rope_sin, "rotary_cols": rotary_cols}
     if not supports(x, weight, block_scales):
         return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual,
-                              x_scale, out_dtype)
+                              x_scale, out_dtype, **rope)
+    rows, (n, k) = x.shape[0], weight.shape
+    block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
+    dtype = x.dtype if x_scale is None else out_dtype
+    cublas = rows > MAX_ROWS and not block_scales and _scaled_mm_fits(dtype, weight)
+    if rope_cos is not None and (cublas or not rotary_fits(rows, n, dtype, gated, rope_cos, rope_sin, rotary_cols,
+                                                           block_n)):
+        y = fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, None, x_scale,
+                       out_dtype, config=config, prefetch=prefetch)
+        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols)
+        return y if residual is None else residual + y
     x_q, x_scale, dtype = _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub,
                                       quantize_activation)
-    rows = x.shape[0]
-    if rows > MAX_ROWS and not block_scales and _scaled_mm_fits(dtype, weight):
+    if cublas:
         return _cublas(x_q, x_scale, weight, weight_scale, bias, dtype, gated, residual)
-    n, k = weight.shape
-    block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
     tile_rows = padded_rows(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=dtype, device=x.device)
     pdl = dependent_launch.launches_dependent(x)
     prefetch = min(triton.next_power_of_2(k), PREFETCH_BYTES if prefetch is None else prefetch) if pdl else 0
     prefetch = prefetch if prefetch >= 128 else 0  # whole 128-byte lines
     grid = (triton.cdiv(rows, tile_rows), triton.cdiv(out.shape[1], block_n // 2 if gated else block_n))
+    rotary = rope_cos is not None
     _fp8_linear_kernel[grid](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale,
-        residual if residual is not None else out, out, rows, out.shape[1], k, x_scale.stride(0), out.stride(0),
-        0 if residual is None else residual.stride(0), weight_scale.stride(0) if block_scales else 0,
+        residual if residual is not None else out, out, rope_cos if rotary else out, rope_sin if rotary else out,
+        rows, out.shape[1], k, x_scale.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
+        weight_scale.stride(0) if block_scales else 0, rope_cos.stride(0) if rotary else 0,
+        rope_sin.stride(0) if rotary else 0, rotary_cols if rotary else 0,
         HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, BLOCK_SCALES=block_scales,
-        ROWS=tile_rows, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
-        num_stages=num_stages, **dependent_launch.launch_options(pdl))
+        ROTARY=rotary, HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1, ROWS=tile_rows, BLOCK_N=block_n,
+        BLOCK_K=block_k, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False,  # no FMA contraction: the rotation rounds each product and sum as eager torch
+        # does (as the bf16 kernel's), and the rest of the kernel rounds the same with or without the epilogue
+        **dependent_launch.launch_options(pdl))
     return out
 
 
@@ -169,45 +191,42 @@ def _cublas(x_q, x_scale, weight, weight_scale, bias, dtype, gated, residual) ->
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                   input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                   gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, rope_cos: torch.Tensor | None = None,
+                  rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
     """:func:`fp8_linear` as a torch op (opaque to torch.compile). x [M, K] -> [M, N] (gated: N/2)."""
     return fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual, x_scale,
-                      out_dtype)
+                      out_dtype, rope_cos, rope_sin, rotary_cols)
 
 
 @fp8_linear_op.register_fake
 def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale_ub=None, gated=False, residual=None,
-      x_scale=None, out_dtype=None):
+      x_scale=None, out_dtype=None, rope_cos=None, rope_sin=None, rotary_cols=0):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0],
                        dtype=x.dtype if x_scale is None else out_dtype)
 
 
 if triton is not None:
     from .dependent_launch import prefetch_l2, wait_and_release
-    from .skinny_linear import store_rows, swiglu_pairs
+    from .skinny_linear import finish_rows, store_rows, weight_rows
 
     @triton.jit
-    def _fp8_linear_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xs, stride_ym,
-                           stride_rm, stride_ws, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                           HAS_RESIDUAL: tl.constexpr, BLOCK_SCALES: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    def _fp8_linear_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, r_ptr, y_ptr, cos_ptr, sin_ptr, M, N, K, stride_xs,
+                           stride_ym, stride_rm, stride_ws, stride_cm, stride_sm, rotary_cols,
+                           HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                           BLOCK_SCALES: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                           PDL: tl.constexpr):
         """One program: output features [pid_n * BLOCK_N, +BLOCK_N) (GATED: gate row f and up row N + f
-        interleaved, as in the bf16 kernel) of rows [pid_m * ROWS, +ROWS), the whole of K (axis 0 of the grid is
-        the row tile: the programs of one weight tile run next to each other). q: the FP8 rows [M, K], xs their
-        scales [M, 1] or [M, K / 128] (BLOCK_SCALES, BLOCK_K = 128: each K tile's partial product scaled by its
-        activation group's and weight block's scales). PREFETCH: bytes of each weight row asked of L2 before
-        the wait (PDL)."""
+        interleaved; ROTARY: below rotary_cols, the rows of each rotary pair side by side, rotated in the epilogue;
+        both as in the bf16 kernel, :func:`~.skinny_linear.weight_rows`) of rows [pid_m * ROWS, +ROWS), the whole
+        of K (axis 0 of the grid is the row tile: the programs of one weight tile run next to each other). q: the
+        FP8 rows [M, K], xs their scales [M, 1] or [M, K / 128] (BLOCK_SCALES, BLOCK_K = 128: each K tile's partial
+        product scaled by its activation group's and weight block's scales). PREFETCH: bytes of each weight row
+        asked of L2 before the wait (PDL)."""
         pid_n = tl.program_id(1)
         offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
-        cols = tl.arange(0, BLOCK_N)
-        if GATED:
-            pair = pid_n * (BLOCK_N // 2) + cols // 2
-            w_row = pair + (cols % 2) * N
-            mask_n = pair < N
-        else:
-            w_row = pid_n * BLOCK_N + cols
-            mask_n = w_row < N
+        w_row, mask_n = weight_rows(pid_n, N, rotary_cols, GATED, ROTARY, HALF_HEAD, BLOCK_N)
         mask_m = offs_m < M
         q_rows = q_ptr + offs_m[:, None].to(tl.int64) * K
         w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
@@ -239,11 +258,6 @@ if triton is not None:
             acc = acc * x_scale[:, None] * w_scale[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        dtype = y_ptr.dtype.element_ty
-        if GATED:
-            y = swiglu_pairs(acc, dtype, ROWS, BLOCK_N)
-            offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        else:
-            y = acc.to(dtype)
-            offs_n = w_row
+        y, offs_n = finish_rows(acc, y_ptr.dtype.element_ty, pid_n, w_row, offs_m, mask_m, cos_ptr, sin_ptr,
+                                stride_cm, stride_sm, rotary_cols, GATED, ROTARY, HALF_HEAD, ROWS, BLOCK_N)
         store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)

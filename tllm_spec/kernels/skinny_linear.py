@@ -69,10 +69,16 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if gated:
         y = silu_mul_ref(y)
     if rope_cos is not None:
-        heads = y[:, :rotary_cols].view(y.shape[0], -1, rope_cos.shape[-1])
-        rotated = apply_rotary(heads, rope_cos[:, None], rope_sin[:, None])
-        y = torch.cat([rotated.flatten(1), y[:, rotary_cols:]], dim=1)
+        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols)
     return y if residual is None else residual + y
+
+
+def rotate_columns_ref(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int) -> torch.Tensor:
+    """y [M, F] with its first ``rotary_cols`` features rotated per head of D (a q|k|v projection's q and k heads;
+    cos, sin [M, D]) by the stock ``apply_rotary``, the rest as they are: the rotary epilogue's reference."""
+    heads = y[:, :rotary_cols].view(y.shape[0], -1, cos.shape[-1])
+    rotated = apply_rotary(heads, cos[:, None], sin[:, None])
+    return torch.cat([rotated.flatten(1), y[:, rotary_cols:]], dim=1)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
@@ -87,17 +93,19 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
             and (not gated or weight.shape[0] % 2 == 0)
             and (residual is None or (residual.dtype == x.dtype and residual.shape == (x.shape[0], out_features)
                                       and residual.stride(1) == 1))
-            and (rope_cos is None or _supports_rotary(x, weight, gated, rope_cos, rope_sin, rotary_cols,
-                                                      (config or tile_config(*weight.shape, x.shape[0]))[0])))
+            and (rope_cos is None or rotary_fits(x.shape[0], weight.shape[0], x.dtype, gated, rope_cos, rope_sin,
+                                                 rotary_cols, (config or tile_config(*weight.shape, x.shape[0]))[0])))
 
 
-def _supports_rotary(x: torch.Tensor, weight: torch.Tensor, gated: bool, cos: torch.Tensor, sin: torch.Tensor,
-                     rotary_cols: int, block_n: int) -> bool:
-    """A program's BLOCK_N / 2 rotary pairs lie in one head, and its columns are all rotated or none."""
+def rotary_fits(rows: int, n: int, dtype: torch.dtype, gated: bool, cos: torch.Tensor, sin: torch.Tensor,
+                rotary_cols: int, block_n: int) -> bool:
+    """Whether a GEMM kernel's rotary epilogue takes these operands (``rows`` x ``n`` results in ``dtype``, programs
+    of ``block_n`` features): a program's BLOCK_N / 2 rotary pairs lie in one head, and its columns are all rotated
+    or none."""
     head_dim = cos.shape[-1]
-    return (not gated and cos.shape == sin.shape == (x.shape[0], head_dim) and cos.dtype == sin.dtype == x.dtype
+    return (not gated and cos.shape == sin.shape == (rows, head_dim) and cos.dtype == sin.dtype == dtype
             and cos.stride(1) == sin.stride(1) == 1 and head_dim % block_n == 0
-            and rotary_cols % head_dim == 0 and rotary_cols <= weight.shape[0])
+            and rotary_cols % head_dim == 0 and rotary_cols <= n)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -163,17 +171,7 @@ if triton is not None:
         pid = tl.program_id(0)
         offs_m = tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
-        cols = tl.arange(0, BLOCK_N)
-        pair = pid * (BLOCK_N // 2) + cols // 2  # the program's feature / rotary pair of each weight row
-        if GATED:
-            w_row = pair + (cols % 2) * N  # gate, up, gate, up, ...
-            mask_n = pair < N
-        else:
-            w_row = pid * BLOCK_N + cols
-            if ROTARY:
-                if pid * BLOCK_N < rotary_cols:  # d, d + D/2, d + 1, d + 1 + D/2, ... of one head
-                    w_row = (pair // HALF_HEAD) * (2 * HALF_HEAD) + pair % HALF_HEAD + (cols % 2) * HALF_HEAD
-            mask_n = w_row < N
+        w_row, mask_n = weight_rows(pid, N, rotary_cols, GATED, ROTARY, HALF_HEAD, BLOCK_N)
         mask_m = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
@@ -189,7 +187,35 @@ if triton is not None:
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
             acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        dtype = y_ptr.dtype.element_ty
+        y, offs_n = finish_rows(acc, y_ptr.dtype.element_ty, pid, w_row, offs_m, mask_m, cos_ptr, sin_ptr, stride_cm,
+                                stride_sm, rotary_cols, GATED, ROTARY, HALF_HEAD, ROWS, BLOCK_N)
+        store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)
+
+    @triton.jit
+    def weight_rows(pid, N, rotary_cols, GATED: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """(the weight rows of output-feature program ``pid``'s BLOCK_N columns, which of them exist): GATED, gate
+        row f and up row N + f interleaved for its BLOCK_N / 2 features f; ROTARY, below ``rotary_cols``, the rows
+        d and d + HALF_HEAD of one head interleaved (the pairs the epilogue rotates); else the program's rows."""
+        cols = tl.arange(0, BLOCK_N)
+        pair = pid * (BLOCK_N // 2) + cols // 2  # the program's feature / rotary pair of each weight row
+        if GATED:
+            w_row = pair + (cols % 2) * N  # gate, up, gate, up, ...
+            mask_n = pair < N
+        else:
+            w_row = pid * BLOCK_N + cols
+            if ROTARY:
+                if pid * BLOCK_N < rotary_cols:  # d, d + D/2, d + 1, d + 1 + D/2, ... of one head
+                    w_row = (pair // HALF_HEAD) * (2 * HALF_HEAD) + pair % HALF_HEAD + (cols % 2) * HALF_HEAD
+            mask_n = w_row < N
+        return w_row, mask_n
+
+    @triton.jit
+    def finish_rows(acc, dtype, pid, w_row, offs_m, mask_m, cos_ptr, sin_ptr, stride_cm, stride_sm, rotary_cols,
+                    GATED: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """(the results in ``dtype`` of fp32 sums acc [ROWS, BLOCK_N] over :func:`weight_rows`' rows, their output
+        columns): GATED, the SwiGLU products; ROTARY, below ``rotary_cols``, the rotated pairs; else acc rounded."""
         if GATED:
             y = swiglu_pairs(acc, dtype, ROWS, BLOCK_N)
             offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -201,7 +227,7 @@ if triton is not None:
                     y = _rotate_pairs(y, cos_ptr, sin_ptr, stride_cm, stride_sm, offs_m, mask_m,
                                       pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), HALF_HEAD, ROWS,
                                       BLOCK_N)
-        store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)
+        return y, offs_n
 
     @triton.jit
     def swiglu_pairs(acc, dtype, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -33,23 +33,15 @@ def linear(x: torch.Tensor | QuantizedRows, layer: nn.Linear, gated: bool = Fals
     decoding step's few rows (<= 32, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
     and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
     so one compiled graph serves both); elsewhere the same stock ops (the op's reference). An FP8 ``layer``
-    (:class:`~.quant.linear.Fp8Linear`) takes its own kernels, the rotation after them, and x may then be rows
-    its norm quantized already (:func:`norm_for`)."""
-    if isinstance(layer, Fp8Linear):
-        y = layer.project(x, gated=gated, residual=residual)
-        return y if rope is None else rotate_columns(y, rope, rotary_cols)
+    (:class:`~.quant.linear.Fp8Linear`) takes its own kernels, with the same epilogues, and x may then be rows its
+    norm quantized already (:func:`norm_for`)."""
     cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
+    if isinstance(layer, Fp8Linear):
+        return layer.project(x, gated=gated, residual=residual, rope=None if rope is None else (cos, sin),
+                             rotary_cols=rotary_cols)
     op = traced(torch.ops.tllm_spec.skinny_linear, skinny_linear) if x.is_cuda else skinny_linear_ref
     return op(x, layer.weight, layer.bias, gated=gated, residual=residual, rope_cos=cos, rope_sin=sin,
               rotary_cols=rotary_cols)
-
-
-def rotate_columns(y: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary_cols: int) -> torch.Tensor:
-    """y [N, F] with its first ``rotary_cols`` features rotated per head of the table's width (a q|k|v
-    projection's q and k heads), the rest as they are."""
-    head_dim = rope[0].shape[-1]
-    heads = eager_kernel(apply_rotary, rotary)(y[:, :rotary_cols].view(y.shape[0], -1, head_dim), *rope)
-    return torch.cat([heads.flatten(1), y[:, rotary_cols:]], dim=1)
 
 
 def few_row_kernels(x: torch.Tensor, attn: AttentionMetadata) -> bool:
