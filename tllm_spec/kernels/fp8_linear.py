@@ -9,8 +9,8 @@ loop for block scales), rounded to x's dtype.
 Few rows (M <= ``MAX_ROWS``, a decoding step's) run :func:`_fp8_linear_kernel`: a weight-streaming GEMM like
 :mod:`.skinny_linear` over the quantized rows, whose epilogue holds the SwiGLU product of a fused gate/up projection,
 a residual add, or the RoPE of a fused q/k/v projection's q and k heads, as the bf16 kernel does. More rows (prompt
-chunks, large batches) with channel scales are ``torch._scaled_mm`` (cuBLASLt, row-wise scales; a rotation after
-it as the reference's ops); with block scales the same Triton kernel over tiles of 32 rows. :func:`fp8_linear_ref`
+chunks, large batches) with channel scales and 16-bit results are ``torch._scaled_mm`` (cuBLASLt, row-wise scales;
+a rotation after it as the reference's ops); others the same Triton kernel over tiles of 32 rows. :func:`fp8_linear_ref`
 is the CPU path and the oracle: it quantizes the activation as the kernels do, dequantizes both operands to fp32 and
 multiplies, so a CPU model is the checkpoint's maths exactly.
 """
@@ -35,10 +35,11 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 # Up to here the Triton kernel streams the weight; above, cuBLASLt (channel scales, 16-bit activations). Measured on
-# an H100, 8B shapes (scripts/bench_fp8_linear.py --tiles chosen --cublas, docs/benchmarks/h100-fp8): at 32 rows the
-# Triton kernel reads 1.0-1.2x faster than cuBLASLt, at 48 and 64 rows cuBLASLt 1.1-1.2x faster (gate/up at 64 rows:
-# 2129 against 1776 GB/s); the batch-64 plain step 6.62 -> 5.91 ms with this bound at 32 rather than 64.
-MAX_ROWS = 32
+# an H200, 8B shapes, rows FP8 already (scripts/bench_fp8_linear.py --rows 48 64 256 --quantized --row-tile-64
+# --cublas, docs/benchmarks/h200-fp8): at 48 and 64 rows the kernel's 64-row tile reads 1.2-2.1x faster than
+# cuBLASLt (o 2470 against 1192 GB/s, gate/up 3264 against 2603 at 64 rows); at 256 rows cuBLASLt reads faster on
+# the many-feature projections (gate/up 2066 against 1526).
+MAX_ROWS = 64
 # Bytes of each weight row a program asks L2 for before it waits for the kernel in front (dependent_launch): that
 # kernel (the activation quantization, a norm) is all latency and leaves the memory system idle meanwhile. On an
 # H100 (scripts/bench_fp8_linear.py --rows 1 8 --tiles chosen --prefetch 0 512 1024 2048 4096), 512 reads 2-4 %
@@ -93,26 +94,34 @@ def _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub, quan
     return x, x_scale, out_dtype
 
 
-def tile_config(n: int, k: int, rows: int, block_scales: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and ``rows`` rows, from
-    ``scripts/bench_fp8_linear.py`` on an H100 (Llama-3.1-8B shapes): many output features (qkv, gate/up) 512 B
-    of each weight row per stage on four warps; few (o, down, the EAGLE-3 fc) two warps four stages deep, in 1 KB
-    tiles over a long K with the 16-row tile (``--tiles narrow``: down at 8 rows 1816 -> 2153 GB/s, o at 16 rows
-    1452 -> 1733 against four warps three deep). Block scales fix BLOCK_K at the block's 128."""
+def tile_config(n: int, k: int, tile_rows: int, block_scales: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an FP8 [n, k] weight and the row tile (:func:`row_tile`), from
+    ``scripts/bench_fp8_linear.py --quantized`` on an H200 (Llama-3.1-8B shapes): tiles of 16 and 32 rows, many
+    output features (qkv, gate/up) 512 B of each weight row per stage, three deep; few (o, down, the EAGLE-3 fc) six
+    deep (o at 1 row 1885 -> 2287 GB/s, down 2765 -> 3033 against the H100's two warps four deep in 1 KB tiles). The
+    64-row tile takes 256 B a stage, six deep, and 128 features a program with the most features (gate/up). Block
+    scales fix BLOCK_K at the block's 128."""
     if block_scales:
         return (32 if n <= 4096 else 64), GROUP, 4, 4
+    if tile_rows == 64:
+        return (32, 256, 4, 6) if n <= 4096 else (128, 128, 4, 3) if n >= 16384 else (64, 256, 4, 6)
     if n <= 4096:
-        return 32, (1024 if rows <= 16 and k >= 8192 else 512), 2, 4
+        return 32, 512, 4, 6
     return 64, 512, 4, 3
 
 
-def padded_rows(rows: int) -> int:
-    """The kernel's row tile: 16 or 32; more rows run as several tiles of 32 (next to each other in the launch
-    order, so a weight tile is read from memory once and from L2 by the others). The tile never reaches 64 rows,
-    where Triton switches the FP8 dot to Hopper's warpgroup MMA, whose sums round differently: a row's result
-    is then the same whatever the number of rows beside it up to MAX_ROWS (a verify step's rows and a plain step's
-    agree); beyond, cuBLASLt rounds as it does, as the bf16 path does past its own bound."""
-    return 16 if rows <= 16 else 32
+def row_tile(rows: int, wide: bool) -> int:
+    """The kernel's row tile: 16 up to 16 rows, else 32, and 64 for 33 to MAX_ROWS rows of a ``wide`` GEMM (16-bit
+    results of channel-scaled weights: cuBLASLt takes them above MAX_ROWS). The others (block scales, fp32 results)
+    run any number of rows as tiles of 32, next to each other in the launch order, so a weight tile is read from
+    memory once and from L2 by the others. The 16- and 32-row tiles' FP8 dot is the warp-level MMA, the 64-row
+    tile's Hopper's warpgroup MMA, whose sums round differently: a row's result is the same whatever the number of
+    rows beside it up to 32 rows, and at any count where the GEMM is not wide (a verify step's rows and its plain
+    step's agree); a wide one's rows from 33 on round as the 64-row tile, then as cuBLASLt (as the bf16 path's
+    round as cuBLAS past its own bound)."""
+    if rows <= 16:
+        return 16
+    return 64 if wide and 32 < rows <= MAX_ROWS else 32
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, block_scales: bool) -> bool:
@@ -137,9 +146,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual,
                               x_scale, out_dtype, **rope)
     rows, (n, k) = x.shape[0], weight.shape
-    block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows, block_scales)
     dtype = x.dtype if x_scale is None else out_dtype
-    cublas = rows > MAX_ROWS and not block_scales and _scaled_mm_fits(dtype, weight)
+    wide = not block_scales and _scaled_mm_fits(dtype, weight)
+    cublas = wide and rows > MAX_ROWS
+    tile_rows = row_tile(rows, wide)
+    block_n, block_k, num_warps, num_stages = config or tile_config(n, k, tile_rows, block_scales)
     if rope_cos is not None and (cublas or not rotary_fits(rows, n, dtype, gated, rope_cos, rope_sin, rotary_cols,
                                                            block_n)):
         y = fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, None, x_scale,
@@ -150,7 +161,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                                       quantize_activation)
     if cublas:
         return _cublas(x_q, x_scale, weight, weight_scale, bias, dtype, gated, residual)
-    tile_rows = padded_rows(rows)
     out = torch.empty(rows, n // 2 if gated else n, dtype=dtype, device=x.device)
     pdl = dependent_launch.launches_dependent(x)
     prefetch = min(triton.next_power_of_2(k), PREFETCH_BYTES if prefetch is None else prefetch) if pdl else 0
