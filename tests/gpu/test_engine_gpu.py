@@ -154,9 +154,9 @@ def test_few_row_kernels_compiled_graphed_equal_eager_in_bf16(spec, monkeypatch)
                                          enforce_eager=eager, compile_step=True)
     rule, taken = layers.few_row_kernels, set()
 
-    def recorded(x, attn):
-        taken.add(rule(x, attn))
-        return rule(x, attn)
+    def recorded(x, attn, *bound):
+        taken.add(rule(x, attn, *bound))
+        return rule(x, attn, *bound)
     monkeypatch.setattr(layers, "few_row_kernels", recorded)
     monkeypatch.setenv(trace_cache.TRACE_CACHE_VAR, "0")  # traced here, with the patch: not loaded from disk
     torch._dynamo.reset()  # nor reused from an earlier test in this process: a trace made while traces were cached

@@ -1,8 +1,9 @@
 """The few-row path (RMSNorms as their own op, residual adds and the SwiGLU product as GEMM epilogues: what a
-generation step of at most 32 rows runs on the GPU) keeps greedy decoding lossless. The rule is forced on here: on the CPU
-``layers.linear`` and the norm op compute the same results with the stock ops, so these tests check the fused
-layers' wiring (target, EAGLE-3 and MTP layers: which residual is added where, which norm feeds which GEMM);
-the kernels are checked against their references in ``tests/kernels`` and ``tests/gpu``."""
+generation step of at most 32 rows runs on the GPU, 64 in a block of FP8 projections) keeps greedy decoding
+lossless. The rule is forced on here: on the CPU ``layers.linear`` and the norm op compute the same results with the
+stock ops, so these tests check the fused layers' wiring (target, EAGLE-3 and MTP layers: which residual is added
+where, which norm feeds which GEMM); the kernels are checked against their references in ``tests/kernels`` and
+``tests/gpu``."""
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,10 @@ import torch
 
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.eagle3 import model as eagle3_module
+from tllm_spec.kernels.fp8_linear import MAX_ROWS as FP8_MAX_ROWS
+from tllm_spec.kernels.skinny_linear import MAX_ROWS
 from tllm_spec.model import layers
+from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.spec_model import SpecModel
 
 from ..models import eagle3, tiny_pair
@@ -23,7 +27,7 @@ def forced_rule(monkeypatch):
     """Every layer takes the few-row path; the list records the row counts of the layers that asked."""
     calls = []
 
-    def always(x, attn):
+    def always(x, attn, max_rows=None):
         calls.append(x.shape[0])
         return True
     monkeypatch.setattr(layers, "few_row_kernels", always)
@@ -88,3 +92,14 @@ def test_the_rule_takes_generation_steps_of_few_rows_in_half_precision_on_cuda()
     assert layers.few_row_kernels(tensor(26), meta(26))  # one request's default draft tree
     assert not layers.few_row_kernels(tensor(52), meta(26))  # two requests' trees
     assert not layers.few_row_kernels(tensor(3), meta(4, context_lens=(3,)))  # a prompt
+    assert layers.few_row_kernels(tensor(64), meta(4), max_rows=64)  # an FP8 block: sixteen requests' chains
+    assert not layers.few_row_kernels(tensor(68), meta(4), max_rows=64)
+
+
+def test_a_block_of_fp8_projections_takes_the_few_row_path_up_to_the_fp8_kernels_bound():
+    bf16 = torch.nn.Linear(64, 32, bias=False)
+    fp8 = Fp8Linear.quantize(bf16)
+    static = Fp8Linear(fp8.weight.detach(), fp8.weight_scale, input_scale=torch.tensor([0.1]))
+    assert layers.fp8_rows(fp8, fp8, fp8, fp8) == FP8_MAX_ROWS == 64
+    assert layers.fp8_rows(fp8, fp8, fp8, bf16) == layers.fp8_rows(fp8, fp8, None, None) == MAX_ROWS == 32
+    assert layers.fp8_rows(fp8, static, fp8, fp8) == MAX_ROWS  # a static activation scale: no FP8 norm rows
