@@ -117,6 +117,7 @@ def parse_args() -> argparse.Namespace:
                    "on every rank, or split")
     p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1 "
                    "(TLLM_SPEC_DEPENDENT_LAUNCH=0: each kernel's own time, no programmatic dependent launch)")
+    p.add_argument("--profile-batch", type=int, default=1, help="the batch size --profile breaks down")
     p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
     p.add_argument("--sweep-acceptance", type=float, default=0.7, help="per-draft acceptance rate of the sweep: "
@@ -259,7 +260,7 @@ def main() -> None:
     plain, spec = default_models
     if args.profile:
         for model, forced in ((plain, None), (spec, float(k))):
-            results["profile"].append(profile_step(model, 1, args.prompt_len, forced))
+            results["profile"].append(profile_step(model, args.profile_batch, args.prompt_len, forced))
             if first:
                 print(format_profile(results["profile"][-1]))
     if first:
