@@ -17,6 +17,9 @@ import pytest
 from torch import nn
 
 from tllm_spec import Eagle3Config, GenerationOutputs, MTPConfig, SAConfig, SamplingParams, SpecModel
+from tllm_spec.kernels.fp8_linear import MAX_ROWS as FP8_MAX_ROWS
+from tllm_spec.kernels.skinny_linear import MAX_ROWS
+from tllm_spec.model import layers
 from tllm_spec.model.quant.linear import Fp8Linear
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass ", "    for key, value in "]
@@ -89,3 +92,19 @@ def test_an_fp8_draft_keeps_its_lm_head_and_the_output(spec):
 def test_draft_quantization_without_a_draft_is_refused():
     with pytest.raises(ValueError, match="draft_quantization is given but there is no draft"):
         demo(None, draft_quantization="fp8")
+
+
+def test_the_few_row_path_over_an_fp8_target_is_lossless(monkeypatch):
+    """The path a GPU decoding step of up to 64 rows takes in blocks of FP8 projections, forced on (on the CPU its
+    ops are their references): the norms write FP8 rows and their scales, the q|k|v projection rotates q and k, the
+    gate/up projection multiplies, o and down add the residual; speculation stays lossless as above."""
+    fp8_plain()  # the FP8 target alone on the stock path, before the rule is forced
+    bounds = []
+
+    def forced(x, attn, max_rows=MAX_ROWS):
+        bounds.append(max_rows)
+        return True
+    monkeypatch.setattr(layers, "few_row_kernels", forced)
+    with demo("mtp") as model:
+        check_lossless(model)
+    assert FP8_MAX_ROWS in bounds  # the target's FP8 blocks asked with the FP8 kernel's bound
