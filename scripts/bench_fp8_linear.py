@@ -6,7 +6,7 @@ each variant must read (FP8: 1 byte per weight; bf16: 2), so the FP8 kernel at t
 
     python3 scripts/bench_fp8_linear.py --rows 1 4 16 32 64 --out fp8_linear.json
     python3 scripts/bench_fp8_linear.py --rows 1 4 --tiles chosen --block   # tile_config only, block scales too
-    python3 scripts/bench_fp8_linear.py --rows 16 32 48 64 --tiles chosen --cublas  # where cuBLASLt takes over
+    python3 scripts/bench_fp8_linear.py --rows 48 64 80 --tiles chosen --cublas  # where cuBLASLt takes over
     python3 scripts/bench_fp8_linear.py --rows 1 8 --tiles chosen --prefetch 0 512 1024 2048  # the L2 prefetch
     python3 scripts/bench_fp8_linear.py --rows 1 4 16 --quantized  # rows FP8 already (the RMSNorm's), GEMM alone
 """

@@ -115,8 +115,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp-draft", choices=["auto", "replicated", "sharded"], default="auto",
                    help="EngineConfig.tp_draft: the EAGLE-3 head split like the target where it can be (auto), whole "
                    "on every rank, or split")
-    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at batch 1 "
-                   "(TLLM_SPEC_DEPENDENT_LAUNCH=0: each kernel's own time, no programmatic dependent launch)")
+    p.add_argument("--profile", action="store_true", help="kernel-time breakdown of the graphed step at "
+                   "--profile-batch (TLLM_SPEC_DEPENDENT_LAUNCH=0: each kernel's own time, no programmatic dependent "
+                   "launch)")
     p.add_argument("--profile-batch", type=int, default=1, help="the batch size --profile breaks down")
     p.add_argument("--draft-len-sweep", action="store_true", help="measure every draft length 0..K at every batch "
                    "size with a realistic forced acceptance and print the fastest as a draft_len_schedule")
