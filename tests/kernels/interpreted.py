@@ -3,7 +3,9 @@ triton is imported): the Triton kernels' logic is checked on machines without a 
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -12,8 +14,8 @@ from tllm_spec.distributed import lamport
 from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import attention_plan as plan_module
 from tllm_spec.kernels import fused_moe as moe_module
-from tllm_spec.kernels import moe_topk as topk_module
 from tllm_spec.kernels import kv_write as kv_write_module
+from tllm_spec.kernels import moe_topk as topk_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
@@ -22,6 +24,8 @@ from tllm_spec.kernels import silu_mul as silu_mul_module
 from tllm_spec.kernels import skinny_linear as skinny_module
 from tllm_spec.kernels import uniform as uniform_module
 from tllm_spec.model.rotary import apply_rotary
+
+from .launches import Launch, recording, save
 
 kernels.runs_kernel = lambda t: True  # the launchers take the kernel path for CPU tensors
 
@@ -407,6 +411,16 @@ def _lamport_cases(world: int, dtype: torch.dtype) -> None:
 
 
 def main() -> None:
+    """Every case; with a path argument, the distinct launches saved there too (tests/kernels/launches.py)."""
+    launches: set[Launch] = set()
+    with recording(launches):
+        _all_cases()
+    if len(sys.argv) > 1:
+        save(launches, Path(sys.argv[1]))
+        print(f"recorded {len(launches)} distinct launches")
+
+
+def _all_cases() -> None:
     grid = itertools.product([1, 2, 4, 6], [1, 3], [(4, 2), (6, 2), (3, 3)], [None, 5], [False, True])
     for query_len, num_runs, (hq, hkv), window, fused in grid:
         _paged_case(query_len, num_runs, hq, hkv, window, fused)

@@ -1,6 +1,9 @@
 """The Triton kernels against their torch references under Triton's CPU interpreter (runs where triton is
-installed; CI has no GPU, so this is where the kernels' logic is checked between GPU sessions)."""
+installed; CI has no GPU, so this is where the kernels' logic is checked between GPU sessions), then every distinct
+launch of that run compiled for sm_90 by Triton's compiler (tests/kernels/launches.py: what the interpreter does not
+check)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +14,12 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # every kernel under Triton's interpreter: minutes on two cores
-def test_kernels_match_references_under_the_interpreter():
+@pytest.mark.slow  # every kernel under Triton's interpreter, then compiled: minutes on two cores
+def test_kernels_match_references_under_the_interpreter_and_compile_for_hopper(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.interpreted"], check=False, cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=900)
+    launches = tmp_path / "launches.pickle"
+    result = subprocess.run([sys.executable, "-m", "tests.kernels.interpreted", str(launches)], check=False,
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.count("ok paged_attention") == 96
     assert result.stdout.count("ok split paged_attention") == 64 and result.stdout.count("ok merge_splits") == 8
@@ -32,3 +36,10 @@ def test_kernels_match_references_under_the_interpreter():
     assert result.stdout.count("ok moe_align") == 28 and result.stdout.count("ok fused_moe") == 24
     assert result.stdout.count("ok moe_topk") == 12
     assert result.stdout.count("ok engine") == 2
+    compiler_env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    compiled = subprocess.run([sys.executable, "-m", "tests.kernels.launches", str(launches)], check=False, cwd=ROOT,
+                              env=compiler_env, capture_output=True, text=True, timeout=900)
+    assert compiled.returncode == 0, compiled.stdout[-2000:] + compiled.stderr[-4000:]
+    kernels = {line.split()[-1] for line in compiled.stdout.splitlines() if line.startswith("ok compile ")}
+    recorded = int(re.search(r"recorded (\d+) distinct launches", result.stdout).group(1))
+    assert len(kernels) == 14 and compiled.stdout.count("ok compile ") == recorded > 100
