@@ -35,8 +35,9 @@ class Launch(NamedTuple):
 def _launch(fn, args: tuple, kwargs: dict) -> Launch:
     from triton.runtime.jit import mangle_type
 
-    params = inspect.signature(fn).parameters
-    bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+    signature = inspect.signature(fn)
+    params = signature.parameters
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     types, constants = [], []
     for name, param in params.items():
         value = bound.arguments.get(name, param.default)
