@@ -32,6 +32,11 @@ SHAPES = {  # name -> [(projection, N, K)]
                          ("draft_lm_head", 16000, 4096)],
     "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
                  ("lm_head", 151936, 4096)],
+    # mixture-of-experts targets: the attention's projections, the router (bf16 routers), a shared expert
+    "qwen3-30b-a3b": [("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048), ("lm_head", 151936, 2048)],
+    "glm-4.5-air-tp2": [("qkv", 7168, 4096), ("o", 4096, 6144), ("shared_gate_up", 1408, 4096),
+                        ("shared_down", 4096, 704), ("lm_head", 75776, 4096)],
+    "mixtral-8x7b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("lm_head", 32000, 4096)],
 }
 GRID = [c for c in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
         if c[0] * c[1] * 2 * c[3] <= 160 * 1024]  # BLOCK_N, BLOCK_K, warps, stages; weight tiles fit in smem

@@ -15,6 +15,7 @@ from tllm_spec.kernels import attention_merge as merge_module
 from tllm_spec.kernels import attention_plan as plan_module
 from tllm_spec.kernels import fused_moe as moe_module
 from tllm_spec.kernels import kv_write as kv_write_module
+from tllm_spec.kernels import moe_align as align_module
 from tllm_spec.kernels import moe_topk as topk_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
@@ -271,8 +272,8 @@ def _moe_align_case(num_tokens: int, top_k: int, num_experts: int, block_m: int,
     ids = torch.where(torch.rand(num_tokens, top_k, generator=g) < 0.5, 1, ids)
     ids[num_tokens // 2, 0] = num_experts
     ids = ids.to(dtype)
-    for out, ref in zip(moe_module.moe_align(ids, num_experts, block_m),
-                        moe_module.moe_align_ref(ids, num_experts, block_m)):
+    for out, ref in zip(align_module.moe_align(ids, num_experts, block_m),
+                        align_module.moe_align_ref(ids, num_experts, block_m)):
         assert torch.equal(out, ref), (out, ref)
 
 
@@ -307,13 +308,7 @@ def _fused_moe_case(num_tokens: int, top_k: int, num_experts: int, dtype: torch.
     down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
     weights = torch.rand(num_tokens, top_k, generator=g)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]).int()
-    chosen = moe_module.tile_config
-    if tiles is not None:
-        moe_module.tile_config = lambda *args: tiles
-    try:
-        out = moe_module.fused_moe(x, gate_up, down, weights, ids)
-    finally:
-        moe_module.tile_config = chosen
+    out = moe_module.fused_moe(x, gate_up, down, weights, ids, tiles=tiles)
     ref = moe_module.fused_moe_ref(x, gate_up, down, weights, ids)
     assert out.dtype == dtype and out.shape == (num_tokens, hidden)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 2 ** -8}
@@ -466,12 +461,12 @@ def _all_cases() -> None:
             moe_shapes + [(512, 8, 512)], [16, 64], [torch.int32, torch.int64]):
         _moe_align_case(num_tokens, top_k, num_experts, block_m, dtype)
         print(f"ok moe_align tokens={num_tokens} k={top_k} experts={num_experts} block_m={block_m} {dtype}")
-    small_tiles = moe_module.MoeTiles(64, (16, 16, 4, 1), (16, 16, 4, 1))
-    for (num_tokens, top_k, num_experts), dtype, tiles in itertools.product(
-            moe_shapes, [torch.float32, torch.bfloat16], [None, small_tiles]):
+    tile_cases = {"chosen": None, "small": moe_module.MoeTiles(64, (16, 16, 4, 1), (16, 16, 4, 1)),
+                  "direct": moe_module.MoeTiles(16, (16, 16, 4, 1), (16, 16, 4, 1), direct=True)}
+    for (num_tokens, top_k, num_experts), dtype, (name, tiles) in itertools.product(
+            moe_shapes, [torch.float32, torch.bfloat16], tile_cases.items()):
         _fused_moe_case(num_tokens, top_k, num_experts, dtype, tiles)
-        print(f"ok fused_moe tokens={num_tokens} k={top_k} experts={num_experts} {dtype} "
-              f"tiles={'small' if tiles else 'chosen'}")
+        print(f"ok fused_moe tokens={num_tokens} k={top_k} experts={num_experts} {dtype} tiles={name}")
     for (num_tokens, num_experts, top_k), sigmoid, round_to in itertools.product(
             [(1, 8, 2), (5, 128, 8), (3, 60, 4)], [False, True], [0, 1]):
         _moe_topk_case(num_tokens, num_experts, top_k, sigmoid, round_to)

@@ -10,12 +10,8 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from tllm_spec.kernels.fused_moe import (
-    fused_moe_op,
-    fused_moe_ref,
-    max_padded_pairs,
-    moe_align_ref,
-)
+from tllm_spec.kernels.fused_moe import fused_moe_op, fused_moe_ref
+from tllm_spec.kernels.moe_align import max_padded_pairs, moe_align_ref
 
 
 def _operands(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
