@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tllm_spec import Eagle3Config, SamplingParams, trace_cache
-from tllm_spec.kernels.fused_moe import fused_moe, fused_moe_ref
+from tllm_spec.kernels.fused_moe import fused_moe, fused_moe_ref, tile_config
+from tllm_spec.kernels.moe_align import moe_align, moe_align_ref
 from tllm_spec.kernels.moe_topk import moe_topk, moe_topk_ref
 from tllm_spec.model.moe import MoE
 from tllm_spec.spec_model import SpecModel
@@ -44,6 +45,35 @@ def test_fused_moe_kernel_matches_its_reference(tokens, dtype):
         pairs = fused_moe(x, gate_up, down, weights, ids.to(torch.int32), reduce=False)
         assert pairs.shape == (tokens, k, hidden) and pairs.dtype == torch.float32
         torch.testing.assert_close(pairs.sum(1).to(dtype), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_direct_blocks_equal_the_aligned_ones_to_the_bit(tokens):
+    """A pair's row does not depend on the other rows of its block: one pair a block (no alignment) gives the same
+    bits as the sorted blocks, so a step's routing to direct or aligned blocks by its pair count keeps speculative
+    and plain steps equal."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    hidden, inter, experts, k = 2048, 768, 128, 8
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    ids = torch.randint(0, 16, (tokens, k), device="cuda", generator=g).int()  # 16 experts: many shared
+    weights = torch.rand(tokens, k, device="cuda", generator=g)
+    tiles = tile_config(tokens * k, experts, hidden, inter, torch.bfloat16)
+    direct, aligned = (fused_moe(x, gate_up, down, weights, ids, reduce=False, tiles=tiles._replace(direct=d))
+                       for d in (True, False))
+    assert torch.equal(direct, aligned)
+
+
+@pytest.mark.parametrize("pairs", [8, 300, 2048, 4096])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_kernel_equals_its_reference(pairs, block_m):
+    """The two launches (counts per tile, then each tile's placing) against the reference, to the bit."""
+    g = torch.Generator(device="cuda").manual_seed(pairs)
+    ids = torch.randint(0, 128, (pairs // 8, 8), device="cuda", generator=g).int()
+    ids[0, :4] = 3  # one expert with several pairs of one tile
+    for out, ref in zip(moe_align(ids, 128, block_m), moe_align_ref(ids, 128, block_m)):
+        assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])

@@ -17,12 +17,11 @@ try:  # triton is a GPU extra: the package imports and runs without it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-# moe_align's one program walks the pairs in tiles of [pairs, experts] comparisons: past these it would take longer
-# than the torch reference's two dozen small launches (a guess until measured), so prompt chunks take the reference
+# every program of moe_align's placing launch reads all tiles' counts ([tiles, experts]), which grows with the square
+# of the pairs: past these sizes prompt chunks take the torch reference's two dozen small launches instead
 MAX_ALIGN_PAIRS = 4096
 MAX_ALIGN_EXPERTS = 1024
-ALIGN_TILE = 8192  # elements of the align kernel's [pairs, experts] comparison tile
-
+ALIGN_TILE = 8192  # elements of a program's [pairs, experts] comparison tile (and of its [tiles, experts] loads)
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -61,62 +60,84 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`moe_align_ref` in one Triton launch (one program) on CUDA for up to MAX_ALIGN_PAIRS pairs and
-    MAX_ALIGN_EXPERTS experts; else the reference (static shapes too, so graph-safe, in two dozen small launches).
-    Same signature and results (the order is stable here too); block_m a power of two."""
+    """:func:`moe_align_ref` in two Triton launches on CUDA for up to MAX_ALIGN_PAIRS pairs and MAX_ALIGN_EXPERTS
+    experts, one program per tile of pairs in each: every tile's count per expert, then every tile places its
+    pairs (all tiles' counts give the groups, the earlier tiles' counts its offsets in them) and a share of the
+    padding; else the reference (static shapes too, so graph-safe, in two dozen small launches). Same signature and
+    results (the order is stable here too); block_m a power of two."""
     num_pairs = topk_ids.numel()
     if not (kernels.runs_kernel(topk_ids) and 0 < num_pairs <= MAX_ALIGN_PAIRS and num_experts <= MAX_ALIGN_EXPERTS
             and topk_ids.is_contiguous() and topk_ids.dtype in (torch.int32, torch.int64)):
         return moe_align_ref(topk_ids, num_experts, block_m)
     assert block_m & (block_m - 1) == 0, block_m
+    device = topk_ids.device
     max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
-    sorted_pair_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=topk_ids.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    sorted_pair_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     experts = triton.next_power_of_2(num_experts)
     block_p = max(16, min(128, ALIGN_TILE // experts))
-    _moe_align_kernel[(1,)](topk_ids, sorted_pair_ids, block_expert, num_padded, num_pairs, num_experts, max_padded,
-                            BLOCK_M=block_m, EXPERTS=experts, BLOCK_P=block_p, BLOCK_B=block_p, FILL=1024,
-                            num_warps=8)
+    num_tiles = triton.cdiv(num_pairs, block_p)
+    counts = torch.empty(num_tiles, experts, dtype=torch.int32, device=device)  # [tile, expert]
+    _count_kernel[(num_tiles,)](topk_ids, counts, num_pairs, num_experts, EXPERTS=experts, BLOCK_P=block_p,
+                                num_warps=4)
+    _place_kernel[(num_tiles,)](topk_ids, counts, sorted_pair_ids, block_expert, num_padded, num_pairs, num_experts,
+                                max_padded, num_tiles, BLOCK_M=block_m, EXPERTS=experts, BLOCK_P=block_p,
+                                CHUNK=max(1, ALIGN_TILE // experts), BLOCK_B=block_p, FILL=1024, num_warps=4)
     return sorted_pair_ids, block_expert, num_padded
 
 
 if triton is not None:
     @triton.jit
-    def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts, max_padded,
-                          BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr,
-                          FILL: tl.constexpr):
-        """One program. Counts per expert -> padded groups (starts, ends); each pair to its expert's start plus
-        the pairs of that expert before it (earlier tiles: ``seen``; its own tile: a triangle of comparisons), so
-        the order is stable; then the padding slots and each block's expert. Every slot is written exactly once
-        (pairs, each group's padding, the tail past num_padded), so no barrier orders the stores."""
+    def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr):
+        """Program t: tile t's pairs counted per expert -> counts[t, :]."""
+        tile = tl.program_id(0)
         experts = tl.arange(0, EXPERTS)
-        offs = tl.arange(0, BLOCK_P)
-        counts = tl.zeros((EXPERTS,), dtype=tl.int32)
-        for p0 in range(0, num_pairs, BLOCK_P):
-            ids = _load_ids(ids_ptr, p0 + offs, num_pairs, num_experts)
-            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ids = _load_ids(ids_ptr, tile * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, num_experts)
+        count = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + tile * EXPERTS + experts, count)
+
+    @triton.jit
+    def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+                      max_padded, num_tiles, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, FILL: tl.constexpr):
+        """Program t. All tiles' counts -> padded groups (starts, ends); each pair of tile t to its expert's start
+        plus the pairs of that expert before it (earlier tiles' counts, then a triangle of comparisons in its own
+        tile), so the order is stable; then its share of the rest (the padding of the experts e = t mod tiles, a
+        strided share of the tail past num_padded and of the blocks' experts). Every slot is written exactly once
+        over all programs, so no barrier orders the stores."""
+        tile = tl.program_id(0)
+        programs = tl.num_programs(0)
+        experts = tl.arange(0, EXPERTS)
+        totals = tl.zeros((EXPERTS,), dtype=tl.int32)
+        before = tl.zeros((EXPERTS,), dtype=tl.int32)
+        for t0 in range(0, num_tiles, CHUNK):
+            tiles = t0 + tl.arange(0, CHUNK)
+            count = tl.load(counts_ptr + tiles[:, None] * EXPERTS + experts[None, :],
+                            mask=(tiles < num_tiles)[:, None], other=0)
+            totals += tl.sum(count, axis=0)
+            before += tl.sum(tl.where((tiles < tile)[:, None], count, 0), axis=0)
+        padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, 0)
         starts = ends - padded
         num_padded = tl.sum(padded, 0)
-        tl.store(num_padded_ptr, num_padded)
-        seen = tl.zeros((EXPERTS,), dtype=tl.int32)
-        for p0 in range(0, num_pairs, BLOCK_P):
-            ids = _load_ids(ids_ptr, p0 + offs, num_pairs, num_experts)
-            hit = ids[:, None] == experts[None, :]  # [BLOCK_P, EXPERTS]
-            base = tl.sum(tl.where(hit, (starts + seen)[None, :], 0), axis=1)
-            same_before = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])  # [BLOCK_P, BLOCK_P]
-            slot = base + tl.sum(same_before.to(tl.int32), axis=1)
-            tl.store(sorted_ptr + slot, p0 + offs, mask=ids >= 0)
-            seen += tl.sum(hit.to(tl.int32), axis=0)
-        pad_slots = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [EXPERTS, BLOCK_M]
-        tl.store(sorted_ptr + pad_slots, num_pairs, mask=pad_slots < ends[:, None])
-        for s0 in range(0, max_padded, FILL):
+        if tile == 0:
+            tl.store(num_padded_ptr, num_padded)
+        offs = tl.arange(0, BLOCK_P)
+        ids = _load_ids(ids_ptr, tile * BLOCK_P + offs, num_pairs, num_experts)
+        hit = ids[:, None] == experts[None, :]  # [BLOCK_P, EXPERTS]
+        base = tl.sum(tl.where(hit, (starts + before)[None, :], 0), axis=1)
+        same_before = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])  # [BLOCK_P, BLOCK_P]
+        slot = base + tl.sum(same_before.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + slot, tile * BLOCK_P + offs, mask=ids >= 0)
+        pad_slots = (starts + totals)[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [EXPERTS, BLOCK_M]
+        mine = (experts % programs) == tile
+        tl.store(sorted_ptr + pad_slots, num_pairs, mask=(pad_slots < ends[:, None]) & mine[:, None])
+        for s0 in range(tile * FILL, max_padded, programs * FILL):
             s = s0 + tl.arange(0, FILL)
             tl.store(sorted_ptr + s, num_pairs, mask=(s >= num_padded) & (s < max_padded))
         num_blocks = max_padded // BLOCK_M
-        for b0 in range(0, num_blocks, BLOCK_B):
+        for b0 in range(tile * BLOCK_B, num_blocks, programs * BLOCK_B):
             b = b0 + tl.arange(0, BLOCK_B)
             # a block's expert: the number of groups that end at or before its first slot
             expert = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)

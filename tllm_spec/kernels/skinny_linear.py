@@ -1,12 +1,14 @@
-"""``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 32: a chain's or a draft tree's): a weight-streaming GEMM,
-optionally with the SwiGLU product of a fused gate/up projection, or a residual add, as its epilogue.
+"""``y = x @ weight.T (+ bias)`` for the few rows a decoding step has (M <= 32: a chain's or a draft tree's): a
+weight-streaming GEMM, optionally with the SwiGLU product of a fused gate/up projection, or a residual add, as its
+epilogue.
 
 A decoding step's projections read megabytes of weight for a handful of token rows, so their speed is the
 weight read. One program owns ``BLOCK_N`` output features over the whole of K (no split-K, so no second
 reduction kernel) and streams its weight tiles through Triton's software pipeline (``num_stages``); the token
 rows are padded to 16 (or 32, :func:`padded_rows`) inside the kernel for the tensor-core dot. bf16/fp16 only:
-fp32 keeps cuBLAS (and its exact rounding). :func:`skinny_linear_op` is the torch custom op the fused layers call: it takes the kernel
-where :func:`supports` says so and cuBLAS otherwise, per call, so one compiled graph serves both.
+fp32 keeps cuBLAS (and its exact rounding). :func:`skinny_linear_op` is the torch custom op the fused layers call:
+it takes the kernel where :func:`supports` says so and cuBLAS otherwise, per call, so one compiled graph serves
+both.
 
 ``gated``: weight is gate | up stacked ([2I, K]) and the result ``silu(gate) * up`` [M, I]. Each program
 loads its gate rows and the matching up rows interleaved, so the product is its epilogue: no activation
@@ -49,12 +51,15 @@ def tile_config(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
     tiles, many (gate/up, lm_heads) short ones. The 32-row tile (17 to 32 rows), swept on an H200 at 32 rows
     (`docs/benchmarks/h200-trees/skinny32.json`), keeps the many-feature tiles; with few features it reads K in
     256-wide tiles six stages deep (down 3641 GB/s, where the 512-wide tile it had, three stages deep, read 3381
-    and four deep 3525)."""
+    and four deep 3525). The mixture-of-experts shapes (``--shape qwen3-30b-a3b``, 1 and 4 rows) have few SMs' worth
+    of features: up to 2048 features (o, the router) take 16-wide programs (o 2035 -> 2181 GB/s, the router 121
+    -> 138, where cuBLAS reads 99), and q|k|v over K = 2048 short K tiles six deep (2382 -> 2551)."""
+    few = padded_rows(rows) == 16
     if n <= 4096:
-        return (32, 512, 4, 4) if padded_rows(rows) == 16 else (32, 256, 4, 6)
+        return ((16 if n <= 2048 else 32), 512, 4, 4) if few else (32, 256, 4, 6)
     if n >= 16384:
         return 64, 128, 4, 3
-    return 64, 256, 4, 4
+    return (64, 128, 4, 6) if few and k <= 2048 else (64, 256, 4, 4)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -24,6 +24,7 @@ from torch import nn
 from ..distributed.parallel import all_reduce_add_norm
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
 from ..kernels.moe_topk import moe_topk, moe_topk_ref
+from ..kernels.skinny_linear import skinny_linear, skinny_linear_ref
 from .layers import MLP, traced
 
 ROUTERS = {"Qwen3MoeTopKRouter": "softmax", "MixtralTopKRouter": "softmax", "Glm4MoeTopkRouter": "sigmoid"}
@@ -87,10 +88,12 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (routing weights [N, k] fp32, expert ids [N, k] int32), the stock router's maths: logits in
-        the model dtype (softmax routers) or fp32 (GLM), the choice in one launch on CUDA (kernels/moe_topk.py)."""
+        the model dtype (softmax routers; a few rows' sums ordered as the skinny GEMM orders them) or fp32 (GLM), the
+        choice in one launch on CUDA (kernels/moe_topk.py)."""
         weight = self.router.weight
-        if self.scoring == "softmax":
-            logits = torch.nn.functional.linear(x, weight.to(x.dtype)).float()
+        if self.scoring == "softmax":  # a decoding step's few rows through the skinny GEMM (kernels/skinny_linear.py)
+            project = traced(torch.ops.tllm_spec.skinny_linear, skinny_linear) if x.is_cuda else skinny_linear_ref
+            logits = project(x, weight.to(x.dtype), None).float()
         else:
             logits = torch.nn.functional.linear(x.float(), weight.float())
         bias = getattr(self.router, "e_score_correction_bias", None)
