@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = torch.softmax(torch.randn(rows, top_k, device="cuda"), -1)
         nbytes = sum(len(i.unique()) for i in ids) / len(ids) * expert_bytes
         pairs = rows * top_k
-        chosen = tile_config(pairs, experts, hidden, inter, torch.bfloat16)
+        chosen = tile_config(rows, top_k, experts, hidden, inter, torch.bfloat16)
         ref = fused_moe_ref(x, gate_up, down, weights, ids[0], reduce=False)
         point = {"rows": rows, "pairs": pairs, "bytes": nbytes, "chosen": list(chosen), "variants": {}}
 

@@ -59,7 +59,7 @@ def test_direct_blocks_equal_the_aligned_ones_to_the_bit(tokens):
     down = (torch.randn(experts, hidden, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
     ids = torch.randint(0, 16, (tokens, k), device="cuda", generator=g).int()  # 16 experts: many shared
     weights = torch.rand(tokens, k, device="cuda", generator=g)
-    tiles = tile_config(tokens * k, experts, hidden, inter, torch.bfloat16)
+    tiles = tile_config(tokens, k, experts, hidden, inter, torch.bfloat16)
     direct, aligned = (fused_moe(x, gate_up, down, weights, ids, reduce=False, tiles=tiles._replace(direct=d))
                        for d in (True, False))
     assert torch.equal(direct, aligned)

@@ -2,14 +2,14 @@
 weighted by the router and summed, with no host synchronisation, so a step with MoE layers stays one CUDA graph.
 
 Scheme: the P = N * k (token, expert) pairs p = n * k + j are sorted by expert and each expert's group is padded
-to a multiple of ``block_m`` (:func:`~.moe_align.moe_align`, one launch), so every block of ``block_m`` sorted pairs
+to a multiple of ``block_m`` (:func:`~.moe_align.moe_align`, two launches), so every block of ``block_m`` sorted pairs
 belongs to one expert. Two grouped GEMMs run over those blocks on static grids (sized by the bound ``max_padded``,
 not by the step's counts; a block past the step's padded count has no expert and returns at once): gate|up with the
 SwiGLU product as its epilogue -> [P, I], then down with the pair's routing weight as its epilogue -> [P, H] fp32;
-a torch sum over each token's k pairs finishes. A decoding step's few pairs take the direct blocks instead
+a torch sum over each token's k pairs finishes. A one-token step's k pairs take the direct blocks instead
 (``MoeTiles.direct``): one pair per block, its expert read from the router's ids, no alignment launch at all; a
-pair's row comes out the same either way (a row's dot products do not depend on the block's other rows), at the
-cost of reading an expert once per pair that chose it.
+pair's row comes out the same either way (a row's dot products do not depend on the block's other rows), but
+direct blocks read an expert once per pair that chose it, so only distinct experts (one token's) go direct.
 
 Rounding is the stock expert loop's: the gate/up product, silu and the SwiGLU product, and the down product each
 rounded to x's dtype; then scaled by the fp32 routing weight and summed over the k experts in fp32, rounded once.
@@ -31,9 +31,6 @@ try:  # triton is a GPU extra: the package imports and runs without it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-DIRECT_MAX_PAIRS = 32  # the most pairs the sweep timed on direct blocks
-
-
 class MoeTiles(NamedTuple):
     """``block_m``: sorted pairs per block (both GEMMs and the alignment); per GEMM (BLOCK_N, BLOCK_K, num_warps,
     num_stages); gate_up's BLOCK_N counts gate columns (the program computes as many up columns beside them);
@@ -44,17 +41,20 @@ class MoeTiles(NamedTuple):
     direct: bool = False
 
 
-def tile_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> MoeTiles:
+def tile_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype
+                ) -> MoeTiles:
     """Tiles from host-known shapes, swept on an H200 (``scripts/bench_fused_moe.py``, Qwen3-30B-A3B, GLM-4.5-Air at
     TP 2 and Mixtral expert shapes, 1 to 256 rows): blocks of 16 pairs (the tensor-core dot's rows) while a block
     averages few pairs of its expert; gate|up in 32-column programs, which fill the SMs at a few experts (Qwen3 at
     one row: 31.8 -> 24.6 us with the direct blocks), with 256-wide K tiles five deep for wide experts (Mixtral);
-    down in 64 columns. The direct blocks (no alignment launch, an expert read once per pair) while the pairs are
-    few against the experts (P <= E / 4, up to 32): each saves the 6 us alignment, and duplicate experts are rare
-    (Qwen3 at 4 rows: 78.1 -> 71.4 us; Mixtral at 4 rows, 8 pairs of 8 experts, loses: 457 -> 489 us). Prompt
-    chunks (more pairs per expert) keep first guesses: taller blocks reuse each weight tile over more rows. fp32
+    down in 64 columns. The direct blocks (no alignment launch, an expert read once per pair) for one token, whose
+    k experts are distinct: that saves the 6 us alignment. More tokens align, as the rows of a verify step share
+    experts: at 4 rows of the 30B-A3B shape a step read 9.1 distinct experts a layer for its 32 pairs, and direct
+    blocks, which read each pair's expert, made the EAGLE-3 step 5.24 ms (4.83 with last version's aligned tiles),
+    though on random routings they had won (78.1 -> 71.4 us at 4 rows). Prompt chunks (more pairs per expert) keep
+    first guesses: taller blocks reuse each weight tile over more rows. fp32
     tiles take twice the shared memory: half as wide in K."""
-    k_scale = 2 if dtype == torch.float32 else 1
+    k_scale, num_pairs = 2 if dtype == torch.float32 else 1, num_tokens * top_k
     per_expert = num_pairs / num_experts
     block_m = 16 if num_pairs <= 128 or per_expert <= 16 else 32 if per_expert <= 64 else 64
     if block_m == 16:
@@ -63,8 +63,8 @@ def tile_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype
     else:
         warps = 8 if block_m == 64 else 4
         gate_up, down = (64, 64, warps, 3), (128, 64, warps, 3)
-    direct = num_pairs <= min(DIRECT_MAX_PAIRS, num_experts // 4)
-    return MoeTiles(block_m, _fit(gate_up, inter, hidden, k_scale), _fit(down, hidden, inter, k_scale), direct)
+    return MoeTiles(block_m, _fit(gate_up, inter, hidden, k_scale), _fit(down, hidden, inter, k_scale),
+                    direct=num_tokens == 1)
 
 
 def _fit(tile: tuple[int, int, int, int], n: int, k: int, k_scale: int) -> tuple[int, int, int, int]:
@@ -119,7 +119,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     if num_pairs == 0:
         return x.new_zeros(num_tokens, hidden) if reduce else x.new_zeros(num_tokens, top_k, hidden,
                                                                           dtype=torch.float32)
-    tiles = tiles or tile_config(num_pairs, num_experts, hidden, inter, x.dtype)
+    tiles = tiles or tile_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype)
     if tiles.direct:  # block p is pair p, of expert topk_ids[p] (no sorted order: the ids stand in for it)
         blocks, num_blocks = (topk_ids, topk_ids, num_pairs), num_pairs
     else:
