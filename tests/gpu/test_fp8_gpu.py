@@ -62,14 +62,19 @@ def test_quantization_kernel_matches_reference_bitwise(mode, rows, k):
 def test_kernel_matches_reference(scales, n, k, rows):
     x, w, ws, xs = _operands(rows, n, k, scales, seed=n + k + rows)
     block = scales == "block"
-    bias = torch.randn(n, device="cuda").bfloat16()
-    for kwargs in ({}, {"bias": bias}, {"residual": torch.randn(rows, n, device="cuda").bfloat16()},
-                   {"gated": True}, {"scale_ub": 2.0} if not block and xs is None else {}):
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows + 1)  # not the global RNG: the same in any order
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
+    residual = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    for kwargs in ({}, {"bias": bias}, {"residual": residual}, {"gated": True},
+                   {"scale_ub": 2.0} if not block and xs is None else {}):
         out = fp8_linear(x, w, ws, input_scale=xs, block_scales=block, **kwargs)
         ref = fp8_linear_ref(x, w, ws, input_scale=xs, block_scales=block, **kwargs)
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-        # both quantize x to the same bits; they differ in the order of the fp32 sums and in bf16 roundings
-        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+        # both quantize x to the same bits; they differ in the order of the fp32 sums and in bf16 roundings. With a
+        # residual the product is rounded before the add: one bf16 ulp of it (1/32 at 4 to 8) may be all that is
+        # left where the add cancels (an H200 run: 0.03125 against a reference of 0, 1 element of 262144)
+        atol = 2 ** -4 if "residual" in kwargs else 3e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=3e-2)
 
 
 @pytest.mark.parametrize("scales", ["channel", "tensor", "block"])
