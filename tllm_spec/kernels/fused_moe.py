@@ -109,7 +109,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
               topk_ids: torch.Tensor, reduce: bool = True, tiles: MoeTiles | None = None) -> torch.Tensor:
     """The Triton kernels where :func:`supports` says so, else the reference. Same signature as
     :func:`fused_moe_ref`, except that ids must lie in [0, E) here (a router's top-k does): a pair of another id
-    is never computed and its row of the sum is garbage."""
+    is never computed on aligned blocks and its row of the sum is garbage, and direct blocks (one token) would read
+    past the experts for an id of E or more."""
     if not supports(x, gate_up, down, topk_weights, topk_ids):
         return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, reduce, tiles)
     (num_tokens, hidden), (num_experts, _, inter), top_k = x.shape, down.shape, topk_ids.shape[1]
