@@ -9,6 +9,7 @@ from tllm_spec import Eagle3Config, SamplingParams, trace_cache
 from tllm_spec.kernels.fused_moe import fused_moe, fused_moe_ref, tile_config
 from tllm_spec.kernels.moe_align import moe_align, moe_align_ref
 from tllm_spec.kernels.moe_topk import moe_topk, moe_topk_ref
+from tllm_spec.kernels.router_logits import router_logits, router_logits_ref
 from tllm_spec.model.moe import MoE
 from tllm_spec.spec_model import SpecModel
 
@@ -79,9 +80,13 @@ def test_moe_align_kernel_equals_its_reference(pairs, block_m):
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 @pytest.mark.parametrize("sigmoid", [False, True])
 @pytest.mark.parametrize("round_to", [0, 1])
-def test_moe_topk_kernel_matches_its_reference(tokens, sigmoid, round_to):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_topk_kernel_matches_its_reference(tokens, sigmoid, round_to, dtype):
+    """bf16: a softmax router's logits as its GEMM gives them (distinct multiples of 1/16: random ones tie)."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn(tokens, 128, device="cuda", generator=g) * 3
+    if dtype != torch.float32:
+        logits = (logits.argsort(dim=-1) - 64).div(16).to(dtype)  # a permutation of 128 values per row
     bias = torch.randn(128, device="cuda", generator=g) * 0.1 if sigmoid else None
     args = (logits, bias, 8, sigmoid, True, 2.5 if sigmoid else 1.0, round_to)
     (weights, ids), (ref_weights, ref_ids) = moe_topk(*args), moe_topk_ref(*args)
@@ -90,6 +95,18 @@ def test_moe_topk_kernel_matches_its_reference(tokens, sigmoid, round_to):
     assert torch.equal(ids, ref_ids)
     tol = 8e-3 if round_to else 1e-6
     torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32, 33])
+@pytest.mark.parametrize("experts", [128, 160])
+def test_router_logits_kernel_matches_its_reference(rows, experts):
+    """GLM-4.5's fp32 router (hidden 4096, 128 or 160 experts) on a step's bf16 rows; 33 rows take the reference."""
+    g = torch.Generator(device="cuda").manual_seed(rows + experts)
+    x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+    weight = torch.randn(experts, 4096, device="cuda", generator=g) * 0.02
+    out, ref = router_logits(x, weight), router_logits_ref(x, weight)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", MOE_FAMILIES)

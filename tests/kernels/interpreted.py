@@ -19,6 +19,7 @@ from tllm_spec.kernels import moe_align as align_module
 from tllm_spec.kernels import moe_topk as topk_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
+from tllm_spec.kernels import router_logits as router_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
 from tllm_spec.kernels import rotary as rotary_module
 from tllm_spec.kernels import silu_mul as silu_mul_module
@@ -277,11 +278,17 @@ def _moe_align_case(num_tokens: int, top_k: int, num_experts: int, block_m: int,
         assert torch.equal(out, ref), (out, ref)
 
 
-def _moe_topk_case(num_tokens: int, num_experts: int, top_k: int, sigmoid: bool, round_to: int) -> None:
+def _moe_topk_case(num_tokens: int, num_experts: int, top_k: int, sigmoid: bool, round_to: int,
+                   dtype: torch.dtype) -> None:
     """The router's choice against the reference: the same experts in the same order (the reference's top-k is
-    sorted; distinct random logits have no ties), weights to an ulp or two (the kernel's exp is not torch's)."""
+    sorted; distinct random logits have no ties), weights to an ulp or two (the kernel's exp is not torch's).
+    ``dtype``: the logits' (a softmax router's come in the model dtype, widened by the kernel; distinct multiples of
+    1/16 there, as random 16-bit logits tie)."""
     g = torch.Generator().manual_seed(num_tokens * 5 + num_experts + top_k + sigmoid)
     logits = torch.randn(num_tokens, num_experts, generator=g) * 3
+    if dtype != torch.float32:
+        ranks = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)])
+        logits = ((ranks - num_experts / 2) / 16).to(dtype)
     bias = torch.randn(num_experts, generator=g) * 0.1 if sigmoid else None
     args = (logits, bias, top_k, sigmoid, True, 2.5 if sigmoid else 1.0, round_to)
     (weights, ids), (ref_weights, ref_ids) = topk_module.moe_topk(*args), topk_module.moe_topk_ref(*args)
@@ -293,6 +300,17 @@ def _moe_topk_case(num_tokens: int, num_experts: int, top_k: int, sigmoid: bool,
     assert torch.equal(ids, ref_ids), (ids, ref_ids)
     tol = 8e-3 if round_to else 1e-6  # a bf16 rounding may land one ulp apart
     torch.testing.assert_close(weights, ref_weights, atol=tol, rtol=tol)
+
+
+def _router_logits_case(rows: int, hidden: int, experts: int, dtype: torch.dtype) -> None:
+    """An fp32 router's logits against the reference (x in ``dtype``, the weight fp32): equal up to the order of the
+    fp32 sums."""
+    g = torch.Generator().manual_seed(rows * 3 + hidden + experts)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = torch.randn(experts, hidden, generator=g) * 0.05
+    out, ref = router_module.router_logits(x, weight), router_module.router_logits_ref(x, weight)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def _fused_moe_case(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype,
@@ -467,10 +485,15 @@ def _all_cases() -> None:
             moe_shapes, [torch.float32, torch.bfloat16], tile_cases.items()):
         _fused_moe_case(num_tokens, top_k, num_experts, dtype, tiles)
         print(f"ok fused_moe tokens={num_tokens} k={top_k} experts={num_experts} {dtype} tiles={name}")
-    for (num_tokens, num_experts, top_k), sigmoid, round_to in itertools.product(
-            [(1, 8, 2), (5, 128, 8), (3, 60, 4)], [False, True], [0, 1]):
-        _moe_topk_case(num_tokens, num_experts, top_k, sigmoid, round_to)
-        print(f"ok moe_topk tokens={num_tokens} experts={num_experts} k={top_k} sigmoid={sigmoid} round={round_to}")
+    for (num_tokens, num_experts, top_k), sigmoid, round_to, dtype in itertools.product(
+            [(1, 8, 2), (5, 128, 8), (3, 60, 4)], [False, True], [0, 1], [torch.float32, torch.bfloat16]):
+        _moe_topk_case(num_tokens, num_experts, top_k, sigmoid, round_to, dtype)
+        print(f"ok moe_topk tokens={num_tokens} experts={num_experts} k={top_k} sigmoid={sigmoid} round={round_to} "
+              f"{dtype}")
+    for rows, hidden, experts, dtype in itertools.product([1, 4, 32], [100, 4096], [8, 60],
+                                                          [torch.bfloat16, torch.float32]):
+        _router_logits_case(rows, hidden, experts, dtype)
+        print(f"ok router_logits rows={rows} hidden={hidden} experts={experts} {dtype}")
     for world in (2, 3):  # fp16: this interpreter's bf16 bit casts differ from the GPU's (tests/gpu covers bf16)
         _lamport_cases(world, torch.float16)
         print(f"ok lamport all-reduce world={world} fp16")

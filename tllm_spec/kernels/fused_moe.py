@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from . import dependent_launch
 from .moe_align import moe_align
 
 try:  # triton is a GPU extra: the package imports and runs without it
@@ -126,7 +127,9 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     else:
         sorted_pair_ids, block_expert, _ = moe_align(topk_ids, num_experts, tiles.block_m)
         blocks, num_blocks = (sorted_pair_ids, block_expert, num_pairs), block_expert.shape[0]
-    flags = {"FP32": x.dtype == torch.float32, "CUDA": x.is_cuda, "DIRECT": tiles.direct}
+    pdl = dependent_launch.launches_dependent(x)
+    flags = {"FP32": x.dtype == torch.float32, "CUDA": x.is_cuda, "DIRECT": tiles.direct, "PDL": pdl,
+             **dependent_launch.launch_options(pdl)}
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]: silu(gate) * up per pair
     block_n, block_k, num_warps, num_stages = tiles.gate_up
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
@@ -155,6 +158,8 @@ def _(x, gate_up, down, topk_weights, topk_ids, reduce=True):
 
 
 if triton is not None:
+    from .dependent_launch import wait_and_release
+
     @triton.jit
     def _dot(a, b, acc, FP32: tl.constexpr, CUDA: tl.constexpr):
         """acc + a @ b in fp32: exact fp32 products for fp32 inputs. Triton's CPU interpreter has no bf16 dot, so
@@ -190,11 +195,14 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
                         stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FP32: tl.constexpr, CUDA: tl.constexpr, DIRECT: tl.constexpr):
+                        FP32: tl.constexpr, CUDA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
         """Program (block of sorted pairs m, columns n): the tokens' rows of x times expert e's gate rows n and up
         rows I + n over all of H, two accumulators; stores silu(gate) * up for its pairs, rounded as the stock
-        ops round (each product, silu, the SwiGLU product to x's dtype; CUDA's expf and an IEEE division)."""
+        ops round (each product, silu, the SwiGLU product to x's dtype; CUDA's expf and an IEEE division). PDL: a
+        programmatic dependent (:mod:`.dependent_launch`) of the kernel that wrote the blocks' experts."""
         pid_m = tl.program_id(0)
+        if PDL:
+            wait_and_release()
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)  # -1: a block past the step's padded count
         if expert < 0:
             return
@@ -229,10 +237,13 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, hidden, inter,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
-                     CUDA: tl.constexpr, DIRECT: tl.constexpr):
+                     CUDA: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
         """Program (block of sorted pairs m, columns n): the pairs' SwiGLU rows times expert e's down rows n over
-        all of I, rounded to x's dtype, times the pair's fp32 routing weight; stored in fp32."""
+        all of I, rounded to x's dtype, times the pair's fp32 routing weight; stored in fp32. PDL: a programmatic
+        dependent of the gate|up kernel."""
         pid_m = tl.program_id(0)
+        if PDL:
+            wait_and_release()
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)  # -1: a block past the step's padded count
         if expert < 0:
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from . import dependent_launch
 
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
@@ -79,19 +80,26 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     block_p = max(16, min(128, ALIGN_TILE // experts))
     num_tiles = triton.cdiv(num_pairs, block_p)
     counts = torch.empty(num_tiles, experts, dtype=torch.int32, device=device)  # [tile, expert]
-    _count_kernel[(num_tiles,)](topk_ids, counts, num_pairs, num_experts, EXPERTS=experts, BLOCK_P=block_p,
-                                num_warps=4)
+    pdl = dependent_launch.launches_dependent(topk_ids)
+    launch = {"PDL": pdl, "num_warps": 4, **dependent_launch.launch_options(pdl)}
+    _count_kernel[(num_tiles,)](topk_ids, counts, num_pairs, num_experts, EXPERTS=experts, BLOCK_P=block_p, **launch)
     _place_kernel[(num_tiles,)](topk_ids, counts, sorted_pair_ids, block_expert, num_padded, num_pairs, num_experts,
                                 max_padded, num_tiles, BLOCK_M=block_m, EXPERTS=experts, BLOCK_P=block_p,
-                                CHUNK=max(1, ALIGN_TILE // experts), BLOCK_B=block_p, FILL=1024, num_warps=4)
+                                CHUNK=max(1, ALIGN_TILE // experts), BLOCK_B=block_p, FILL=1024, **launch)
     return sorted_pair_ids, block_expert, num_padded
 
 
 if triton is not None:
+    from .dependent_launch import wait_and_release
+
     @triton.jit
-    def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr):
-        """Program t: tile t's pairs counted per expert -> counts[t, :]."""
+    def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr,
+                      PDL: tl.constexpr):
+        """Program t: tile t's pairs counted per expert -> counts[t, :]. PDL (both kernels): a programmatic
+        dependent (:mod:`.dependent_launch`) of the kernel before, which wrote what it reads."""
         tile = tl.program_id(0)
+        if PDL:
+            wait_and_release()
         experts = tl.arange(0, EXPERTS)
         ids = _load_ids(ids_ptr, tile * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, num_experts)
         count = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
@@ -100,13 +108,15 @@ if triton is not None:
     @triton.jit
     def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
                       max_padded, num_tiles, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_P: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, FILL: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
         """Program t. All tiles' counts -> padded groups (starts, ends); each pair of tile t to its expert's start
         plus the pairs of that expert before it (earlier tiles' counts, then a triangle of comparisons in its own
         tile), so the order is stable; then its share of the rest (the padding of the experts e = t mod tiles, a
         strided share of the tail past num_padded and of the blocks' experts). Every slot is written exactly once
         over all programs, so no barrier orders the stores."""
         tile = tl.program_id(0)
+        if PDL:
+            wait_and_release()
         programs = tl.num_programs(0)
         experts = tl.arange(0, EXPERTS)
         totals = tl.zeros((EXPERTS,), dtype=tl.int32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from . import dependent_launch
 
 try:  # triton is a GPU extra: the package imports and runs without it
     import triton
@@ -25,10 +26,12 @@ ROUNDING = {0: None, 1: torch.bfloat16, 2: torch.float16}  # round_to codes (a c
 def moe_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, renormalize: bool,
                  scaling: float, round_to: int, n_group: int = 1, topk_group: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference (the CPU path and the oracle). logits [N, E] fp32; ``sigmoid``: scores sigmoid(logits),
-    chosen by scores + ``bias`` [E] within the ``topk_group`` best of ``n_group`` groups (a group's score: its two
-    best), else softmax(logits); weights: the chosen scores, divided by their sum if ``renormalize`` (+1e-20 for
-    sigmoid), times ``scaling``, rounded to ROUNDING[round_to] if any -> (weights [N, k] fp32, ids [N, k] int32)."""
+    """Torch reference (the CPU path and the oracle). logits [N, E], fp32 or a router's 16-bit ones (widened to
+    fp32 first); ``sigmoid``: scores sigmoid(logits), chosen by scores + ``bias`` [E] within the ``topk_group`` best
+    of ``n_group`` groups (a group's score: its two best), else softmax(logits); weights: the chosen scores, divided
+    by their sum if ``renormalize`` (+1e-20 for sigmoid), times ``scaling``, rounded to ROUNDING[round_to] if any ->
+    (weights [N, k] fp32, ids [N, k] int32)."""
+    logits = logits.float()
     if not sigmoid:
         top, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
         if renormalize:
@@ -55,19 +58,24 @@ def moe_topk_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, si
 def moe_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool, renormalize: bool,
              scaling: float, round_to: int, n_group: int = 1, topk_group: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA (one program per token) for contiguous fp32 logits without grouping, else the
-    reference. Same signature as :func:`moe_topk_ref`; the same experts (up to ties) and weights to an ulp."""
+    """The Triton kernel on CUDA (one program per token, a programmatic dependent of the router's GEMM where
+    :mod:`.dependent_launch` says so) for contiguous logits without grouping, else the reference. Same signature as
+    :func:`moe_topk_ref`; the same experts (up to ties) and weights to an ulp. 16-bit logits are widened in the
+    kernel: no cast launch between the router's GEMM and the choice."""
     num_tokens, num_experts = logits.shape
-    if not (kernels.runs_kernel(logits) and logits.dtype == torch.float32 and logits.is_contiguous()
+    if not (kernels.runs_kernel(logits) and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and logits.is_contiguous()
             and n_group == 1 and top_k <= num_experts and num_experts <= 1024):
         return moe_topk_ref(logits, bias, top_k, sigmoid, renormalize, scaling, round_to, n_group, topk_group)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens:
+        pdl = dependent_launch.launches_dependent(logits)
         _moe_topk_kernel[(num_tokens,)](
             logits, logits if bias is None else bias, weights, ids, num_experts, scaling, TOP_K=top_k,
             K_BLOCK=triton.next_power_of_2(top_k), EXPERTS=triton.next_power_of_2(num_experts), SIGMOID=sigmoid,
-            BIAS=bias is not None, RENORMALIZE=renormalize, ROUND_TO=round_to, CUDA=logits.is_cuda, num_warps=1)
+            BIAS=bias is not None, RENORMALIZE=renormalize, ROUND_TO=round_to, CUDA=logits.is_cuda, PDL=pdl,
+            num_warps=1, **dependent_launch.launch_options(pdl))
     return weights, ids
 
 
@@ -85,15 +93,19 @@ def _(logits, bias, top_k, sigmoid, renormalize, scaling, round_to, n_group, top
 
 
 if triton is not None:
+    from .dependent_launch import wait_and_release
+
     @triton.jit
     def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, scaling, TOP_K: tl.constexpr,
                          K_BLOCK: tl.constexpr, EXPERTS: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, ROUND_TO: tl.constexpr, CUDA: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, ROUND_TO: tl.constexpr, CUDA: tl.constexpr, PDL: tl.constexpr):
         """One token: scores of all experts, k arg-max rounds over the choice, weights of the chosen."""
         row = tl.program_id(0).to(tl.int64)
         experts = tl.arange(0, EXPERTS)
         valid = experts < num_experts
-        logits = tl.load(logits_ptr + row * num_experts + experts, mask=valid, other=float("-inf"))
+        if PDL:
+            wait_and_release()
+        logits = tl.load(logits_ptr + row * num_experts + experts, mask=valid, other=float("-inf")).to(tl.float32)
         if SIGMOID:
             scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
             choice = scores

@@ -24,6 +24,7 @@ from torch import nn
 from ..distributed.parallel import all_reduce_add_norm
 from ..kernels.fused_moe import fused_moe, fused_moe_ref
 from ..kernels.moe_topk import moe_topk, moe_topk_ref
+from ..kernels.router_logits import router_logits, router_logits_ref
 from ..kernels.skinny_linear import skinny_linear, skinny_linear_ref
 from .layers import MLP, traced
 
@@ -88,14 +89,16 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (routing weights [N, k] fp32, expert ids [N, k] int32), the stock router's maths: logits in
-        the model dtype (softmax routers; a few rows' sums ordered as the skinny GEMM orders them) or fp32 (GLM), the
-        choice in one launch on CUDA (kernels/moe_topk.py)."""
+        the model dtype (softmax routers; a few rows' sums ordered as the skinny GEMM orders them) or fp32 (GLM; a
+        few rows through kernels/router_logits.py), the choice in one launch on CUDA (kernels/moe_topk.py, which
+        widens 16-bit logits itself)."""
         weight = self.router.weight
         if self.scoring == "softmax":  # a decoding step's few rows through the skinny GEMM (kernels/skinny_linear.py)
             project = traced(torch.ops.tllm_spec.skinny_linear, skinny_linear) if x.is_cuda else skinny_linear_ref
-            logits = project(x, weight.to(x.dtype), None).float()
+            logits = project(x, weight.to(x.dtype), None)
         else:
-            logits = torch.nn.functional.linear(x.float(), weight.float())
+            project = traced(torch.ops.tllm_spec.router_logits, router_logits) if x.is_cuda else router_logits_ref
+            logits = project(x, weight)
         bias = getattr(self.router, "e_score_correction_bias", None)
         round_to = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0) if self.round_weights else 0
         choose = traced(torch.ops.tllm_spec.moe_topk, moe_topk) if x.is_cuda else moe_topk_ref
