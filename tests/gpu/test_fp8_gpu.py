@@ -79,18 +79,20 @@ def test_kernel_matches_reference(scales, n, k, rows):
 
 @pytest.mark.parametrize("scales", ["channel", "tensor", "block"])
 @pytest.mark.parametrize("rows", [1, 4, 17, 26, 33, 64, 65])
-def test_rotary_epilogue_is_the_stock_rotation(scales, rows):
-    """A fused q|k|v projection (32 q and 8 k heads of 128 rotated, 8 v heads not): the kernel's rotary epilogue
-    (up to MAX_ROWS rows; cuBLASLt and the stock rotation after it above) gives the stock rotation of its own
-    unrotated result bit for bit, and the reference's result; rows its norm quantized take it too."""
+@pytest.mark.parametrize("width", [128, 64])
+def test_rotary_epilogue_is_the_stock_rotation(scales, rows, width):
+    """A fused q|k|v projection (32 q and 8 k heads of 128 rotated, whole or their first 64 features as GLM-4.5's
+    partial rotary embedding; 8 v heads not): the kernel's rotary epilogue (up to MAX_ROWS rows; cuBLASLt and the
+    stock rotation after it above) gives the stock rotation of its own unrotated result bit for bit, and the
+    reference's result; rows its norm quantized take it too."""
     n, k, rotary_cols = 6144, 4096, 5120
     x, w, ws, xs = _operands(rows, n, k, scales, seed=rows + 7)
     g = torch.Generator(device="cuda").manual_seed(rows)
-    cos, sin = torch.rand(2, rows, 128, device="cuda", generator=g).bfloat16().unbind(0)
+    cos, sin = torch.rand(2, rows, width, device="cuda", generator=g).bfloat16().unbind(0)
     scheme = {"input_scale": xs, "block_scales": scales == "block"}
-    rope = {"rope_cos": cos, "rope_sin": sin, "rotary_cols": rotary_cols}
+    rope = {"rope_cos": cos, "rope_sin": sin, "rotary_cols": rotary_cols, "head_dim": 128}
     out, plain = fp8_linear(x, w, ws, **scheme, **rope), fp8_linear(x, w, ws, **scheme)
-    assert torch.equal(out, rotate_columns_ref(plain, cos, sin, rotary_cols))
+    assert torch.equal(out, rotate_columns_ref(plain, cos, sin, rotary_cols, 128))
     torch.testing.assert_close(out.float(), fp8_linear_ref(x, w, ws, **scheme, **rope).float(), atol=3e-2, rtol=3e-2)
     if scales == "channel":
         x_q, x_scale = quantize_activation(x)

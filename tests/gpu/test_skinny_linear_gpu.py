@@ -94,27 +94,32 @@ def test_residual_epilogue_matches_fp32_reference(dtype, gated, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads,head_dim,bias", [((32, 8), 128, False), ((28, 4), 128, True), ((12, 4), 64, False)])
+@pytest.mark.parametrize("heads,head_dim,width,bias", [((32, 8), 128, 128, False), ((28, 4), 128, 128, True),
+                                                       ((12, 4), 64, 64, False), ((48, 4), 128, 64, True)])
 @pytest.mark.parametrize("rows", [1, 4, 16, 26])
-def test_rotary_epilogue_is_the_stock_rotation(dtype, heads, head_dim, bias, rows):
-    """RoPE in the q|k|v GEMM's epilogue (Llama-3.1-8B, a Qwen2-7B-like shape with biases, a 64-wide head):
-    the fp32 reference's result; and with small-integer operands, whose sums are exact in any order, exactly
-    the stock rotation, in the model dtype, of the kernel's own plain projection (v untouched)."""
+def test_rotary_epilogue_is_the_stock_rotation(dtype, heads, head_dim, width, bias, rows):
+    """RoPE in the q|k|v GEMM's epilogue (Llama-3.1-8B, a Qwen2-7B-like shape with biases, a 64-wide head, and
+    GLM-4.5-Air's TP-2 share: biases, half of each head rotated): the fp32 reference's result; and with
+    small-integer operands, whose sums are exact in any order, exactly the stock rotation, in the model dtype, of
+    the kernel's own plain projection (the rest of each head and v untouched)."""
     num_heads, num_kv_heads = heads
     n, rotary_cols = (num_heads + 2 * num_kv_heads) * head_dim, (num_heads + num_kv_heads) * head_dim
     x, w, b = _operands(rows, n, 4096, dtype, bias, seed=n + rows)
-    angles = torch.rand(rows, 1, device="cuda") * 1000 * torch.rand(head_dim, device="cuda")  # halves differ
+    angles = torch.rand(rows, 1, device="cuda") * 1000 * torch.rand(width, device="cuda")  # halves differ
     cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
-    assert supports(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
-    out = skinny_linear(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
+    rope = dict(rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols, head_dim=head_dim)
+    assert supports(x, w, b, **rope)
+    out = skinny_linear(x, w, b, **rope)
     ref = skinny_linear_ref(x.float(), w.float(), None if b is None else b.float(), rope_cos=cos.float(),
-                            rope_sin=sin.float(), rotary_cols=rotary_cols)
+                            rope_sin=sin.float(), rotary_cols=rotary_cols, head_dim=head_dim)
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
     x, w = x.float().mul(2).round().to(dtype), (w.float() * 64).round().div(8).to(dtype)
-    out = skinny_linear(x, w, b, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
+    out = skinny_linear(x, w, b, **rope)
     plain = skinny_linear(x, w, b)
     heads_view = plain[:, :rotary_cols].view(rows, -1, head_dim)
-    expected = torch.cat([apply_rotary(heads_view, cos[:, None], sin[:, None]).flatten(1), plain[:, rotary_cols:]], 1)
+    rotated = torch.cat([apply_rotary(heads_view[..., :width], cos[:, None], sin[:, None]), heads_view[..., width:]],
+                        -1)
+    expected = torch.cat([rotated.flatten(1), plain[:, rotary_cols:]], 1)
     assert torch.equal(out, expected)
 
 

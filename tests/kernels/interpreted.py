@@ -174,27 +174,32 @@ def _epilogue_skinny_case(rows: int, n: int, k: int, gated: bool, residual: bool
         assert torch.equal(out, res + plain)
 
 
-def _rotary_skinny_case(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+def _rotary_skinny_case(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int, bias: bool,
                         config: tuple[int, int, int, int]) -> None:
-    """RoPE as the epilogue of a fused q|k|v projection (fp16): q and k heads rotated, v untouched, each product
-    and sum rounded as eager torch rounds them, so the result is exactly the stock rotation of the kernel's
-    own plain projection; cos/sin rows strided, as the step's gathered table is."""
-    g = torch.Generator().manual_seed(rows * 3 + num_heads + head_dim)
+    """RoPE as the epilogue of a fused q|k|v projection (fp16): the first ``width`` features of each q and k head
+    rotated (all of them, or a partial rotary embedding's), the rest and v untouched, each product and sum rounded
+    as eager torch rounds them, so the result is exactly the stock rotation of the kernel's own plain projection;
+    cos/sin rows strided, as the step's gathered table is."""
+    g = torch.Generator().manual_seed(rows * 3 + num_heads + head_dim + width)
     k = 80
     n, rotary_cols = (num_heads + 2 * num_kv_heads) * head_dim, (num_heads + num_kv_heads) * head_dim
     x = torch.randn(rows, k, generator=g).half()
     w = (torch.randn(n, k, generator=g) * 0.1).half()
     b = torch.randn(n, generator=g).half() if bias else None
-    cos, sin = torch.randn(2, rows, 1, head_dim + 2, generator=g).half()[..., 1:head_dim + 1].unbind(0)
+    cos, sin = torch.randn(2, rows, 1, width + 2, generator=g).half()[..., 1:width + 1].unbind(0)
     cos, sin = cos[:, 0], sin[:, 0]
-    out = skinny_module.skinny_linear(x, w, b, config=config, rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols)
+    rope = dict(rope_cos=cos, rope_sin=sin, rotary_cols=rotary_cols, head_dim=head_dim)
+    assert skinny_module.supports(x, w, b, config=config, **rope)  # the epilogue runs, not the reference
+    out = skinny_module.skinny_linear(x, w, b, config=config, **rope)
     plain = skinny_module.skinny_linear(x, w, b, config=config)
     heads = plain[:, :rotary_cols].view(rows, -1, head_dim)
-    expected = torch.cat([apply_rotary(heads, cos[:, None], sin[:, None]).flatten(1), plain[:, rotary_cols:]], 1)
+    rotated = torch.cat([apply_rotary(heads[..., :width], cos[:, None], sin[:, None]), heads[..., width:]], -1)
+    expected = torch.cat([rotated.flatten(1), plain[:, rotary_cols:]], 1)
     assert out.dtype == torch.float16 and out.shape == (rows, n)
     assert torch.equal(out, expected)
     ref = skinny_module.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float(),
-                                          rope_cos=cos.float(), rope_sin=sin.float(), rotary_cols=rotary_cols)
+                                          rope_cos=cos.float(), rope_sin=sin.float(), rotary_cols=rotary_cols,
+                                          head_dim=head_dim)
     torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=1e-2)
 
 
@@ -452,10 +457,12 @@ def _all_cases() -> None:
     for rows, (n, k), gated, residual in epilogues:
         _epilogue_skinny_case(rows, n, k, gated, residual, (16, 64, 4, 2))
         print(f"ok epilogue skinny_linear rows={rows} n={n} k={k} gated={gated} residual={residual}")
-    rotary = itertools.product([1, 4, 16, 26], [(4, 2, 16), (3, 1, 32)], [False, True])
-    for rows, (num_heads, num_kv_heads, head_dim), bias in rotary:
-        _rotary_skinny_case(rows, num_heads, num_kv_heads, head_dim, bias, (16, 64, 4, 2))
-        print(f"ok rotary skinny_linear rows={rows} heads={num_heads}/{num_kv_heads} d={head_dim} bias={bias}")
+    rotary = itertools.product([1, 4, 16, 26], [(4, 2, 16, 16), (3, 1, 32, 32), (3, 1, 32, 16), (2, 2, 64, 32)],
+                               [False, True])
+    for rows, (num_heads, num_kv_heads, head_dim, width), bias in rotary:
+        _rotary_skinny_case(rows, num_heads, num_kv_heads, head_dim, width, bias, (16, 64, 4, 2))
+        print(f"ok rotary skinny_linear rows={rows} heads={num_heads}/{num_kv_heads} d={head_dim} rotated={width} "
+              f"bias={bias}")
     for width, requests, row_shape, dtype in itertools.product([3, 8], [1, 3], [(2, 16), (1, 1100)],
                                                                [torch.float16, torch.float32]):
         _move_rows_case(width, requests, row_shape, dtype)

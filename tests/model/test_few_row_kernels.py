@@ -16,8 +16,9 @@ from tllm_spec.kernels.skinny_linear import MAX_ROWS
 from tllm_spec.model import layers
 from tllm_spec.model.quant.linear import Fp8Linear
 from tllm_spec.spec_model import SpecModel
+from tllm_spec.tools.random_models import save_random_target, target_config
 
-from ..models import eagle3, tiny_pair
+from ..models import ARCH_OVERRIDES, eagle3, tiny_pair
 from ..test_lossless import MAX_NEW, PROMPTS, check_lossless
 from ..test_mtp_lossless import mtp_target
 
@@ -66,6 +67,25 @@ def test_eagle3_midlayer_drafts_the_same_on_both_paths(norm_before_residual, mon
     stock = proposals()
     monkeypatch.setattr(eagle3_module, "few_row_kernels", lambda x, attn: True)
     assert proposals() == stock and len(stock) >= 5
+
+
+def test_a_partial_rotary_embedding_in_the_qkv_epilogue_is_lossless(forced_rule, monkeypatch, tmp_path):
+    """GLM-4.5-Air's attention (biases, half of each head rotated, no q/k norm) asks its q|k|v GEMM for the
+    rotation, per head of head_dim: lossless, so the epilogue's reference rotates what the stock layer rotates."""
+    overrides = {**ARCH_OVERRIDES["glm4_moe"], "use_qk_norm": False}
+    config = target_config("glm4_moe", vocab_size=97, num_hidden_layers=3, **overrides)
+    target = save_random_target(tmp_path / "glm-air", config, seed=3)
+    asked = []
+    original = layers.linear
+
+    def recording(x, layer, *args, **kwargs):
+        if kwargs.get("rotary_cols"):
+            asked.append(kwargs.get("head_dim"))
+        return original(x, layer, *args, **kwargs)
+    monkeypatch.setattr(layers, "linear", recording)
+    model = SpecModel.from_pretrained(target, None, max_batch_size=2)
+    check_lossless(target, model, PROMPTS[:2], MAX_NEW[:2])
+    assert forced_rule and asked and set(asked) == {overrides["head_dim"]}
 
 
 def test_mtp_layers_are_lossless(forced_rule):

@@ -63,13 +63,13 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
                    input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                    gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, rope_cos: torch.Tensor | None = None,
-                   rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
+                   rope_sin: torch.Tensor | None = None, rotary_cols: int = 0, head_dim: int = 0) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle). x [M, K] (any float dtype); weight FP8 [N, K]; weight_scale
     fp32 [N], or [ceil(N/128), ceil(K/128)] with ``block_scales`` (the activation then quantized per 128 columns);
     ``input_scale``: a static activation scale; bias [N] -> y [M, N] in x's dtype (``gated``: silu(y[:, :N/2]) *
     y[:, N/2:] [M, N/2]; ``residual``: plus it, rounded as eager torch's ``residual + y``). ``x_scale`` [M, 1]:
     x is FP8 already, quantized per token with these scales (:func:`~.rms_norm.rms_norm_fp8`), and y is
-    ``out_dtype``. ``rope_cos``, ``rope_sin`` [M, D]: y[:, :rotary_cols] rotated per head of D
+    ``out_dtype``. ``rope_cos``, ``rope_sin`` [M, D]: y[:, :rotary_cols] rotated per head of ``head_dim``
     (:func:`~.skinny_linear.rotate_columns_ref`)."""
     x_q, x_scale, dtype = _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub,
                                       quantize_activation_ref)
@@ -80,7 +80,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if gated:
         y = silu_mul_ref(y)
     if rope_cos is not None:
-        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols)
+        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols, head_dim)
     return y if residual is None else residual + y
 
 
@@ -135,13 +135,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, rope_cos: torch.Tensor | None = None,
-               rope_sin: torch.Tensor | None = None, rotary_cols: int = 0,
+               rope_sin: torch.Tensor | None = None, rotary_cols: int = 0, head_dim: int = 0,
                config: tuple[int, int, int, int] | None = None, prefetch: int | None = None) -> torch.Tensor:
     """The kernels where :func:`supports` says so, else the reference. Same signature as :func:`fp8_linear_ref`;
     ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton kernel, default :func:`tile_config`;
     ``prefetch``: bytes of each weight row asked of L2 before the wait, default PREFETCH_BYTES. The rotation is
     the Triton kernel's epilogue where :func:`~.skinny_linear.rotary_fits`, else the reference's ops after."""
-    rope = {"rope_cos": rope_cos, "rope_sin": rope_sin, "rotary_cols": rotary_cols}
+    rope = {"rope_cos": rope_cos, "rope_sin": rope_sin, "rotary_cols": rotary_cols, "head_dim": head_dim}
     if not supports(x, weight, block_scales):
         return fp8_linear_ref(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual,
                               x_scale, out_dtype, **rope)
@@ -152,10 +152,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     tile_rows = row_tile(rows, wide)
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k, tile_rows, block_scales)
     if rope_cos is not None and (cublas or not rotary_fits(rows, n, dtype, gated, rope_cos, rope_sin, rotary_cols,
-                                                           block_n)):
+                                                           block_n, head_dim)):
         y = fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, None, x_scale,
                        out_dtype, config=config, prefetch=prefetch)
-        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols)
+        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols, head_dim)
         return y if residual is None else residual + y
     x_q, x_scale, dtype = _activation(x, x_scale, out_dtype, input_scale, block_scales, scale_ub,
                                       quantize_activation)
@@ -174,7 +174,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         weight_scale.stride(0) if block_scales else 0, rope_cos.stride(0) if rotary else 0,
         rope_sin.stride(0) if rotary else 0, rotary_cols if rotary else 0,
         HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, BLOCK_SCALES=block_scales,
-        ROTARY=rotary, HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1, ROWS=tile_rows, BLOCK_N=block_n,
+        ROTARY=rotary, HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1,
+        HEAD=(head_dim or rope_cos.shape[-1]) if rotary else 2, ROWS=tile_rows, BLOCK_N=block_n,
         BLOCK_K=block_k, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False,  # no FMA contraction: the rotation rounds each product and sum as eager torch
         # does (as the bf16 kernel's), and the rest of the kernel rounds the same with or without the epilogue
@@ -202,15 +203,15 @@ def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
                   input_scale: torch.Tensor | None = None, block_scales: bool = False, scale_ub: float | None = None,
                   gated: bool = False, residual: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, rope_cos: torch.Tensor | None = None,
-                  rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
+                  rope_sin: torch.Tensor | None = None, rotary_cols: int = 0, head_dim: int = 0) -> torch.Tensor:
     """:func:`fp8_linear` as a torch op (opaque to torch.compile). x [M, K] -> [M, N] (gated: N/2)."""
     return fp8_linear(x, weight, weight_scale, bias, input_scale, block_scales, scale_ub, gated, residual, x_scale,
-                      out_dtype, rope_cos, rope_sin, rotary_cols)
+                      out_dtype, rope_cos, rope_sin, rotary_cols, head_dim)
 
 
 @fp8_linear_op.register_fake
 def _(x, weight, weight_scale, bias, input_scale=None, block_scales=False, scale_ub=None, gated=False, residual=None,
-      x_scale=None, out_dtype=None, rope_cos=None, rope_sin=None, rotary_cols=0):
+      x_scale=None, out_dtype=None, rope_cos=None, rope_sin=None, rotary_cols=0, head_dim=0):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0],
                        dtype=x.dtype if x_scale is None else out_dtype)
 
@@ -224,8 +225,8 @@ if triton is not None:
                            stride_ym, stride_rm, stride_ws, stride_cm, stride_sm, rotary_cols,
                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                            BLOCK_SCALES: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                           PDL: tl.constexpr):
+                           HEAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PREFETCH: tl.constexpr, PDL: tl.constexpr):
         """One program: output features [pid_n * BLOCK_N, +BLOCK_N) (GATED: gate row f and up row N + f
         interleaved; ROTARY: below rotary_cols, the rows of each rotary pair side by side, rotated in the epilogue;
         both as in the bf16 kernel, :func:`~.skinny_linear.weight_rows`) of rows [pid_m * ROWS, +ROWS), the whole
@@ -236,7 +237,7 @@ if triton is not None:
         pid_n = tl.program_id(1)
         offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
-        w_row, mask_n = weight_rows(pid_n, N, rotary_cols, GATED, ROTARY, HALF_HEAD, BLOCK_N)
+        w_row, mask_n = weight_rows(pid_n, N, rotary_cols, GATED, ROTARY, HALF_HEAD, HEAD, BLOCK_N)
         mask_m = offs_m < M
         q_rows = q_ptr + offs_m[:, None].to(tl.int64) * K
         w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
@@ -269,5 +270,5 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         y, offs_n = finish_rows(acc, y_ptr.dtype.element_ty, pid_n, w_row, offs_m, mask_m, cos_ptr, sin_ptr,
-                                stride_cm, stride_sm, rotary_cols, GATED, ROTARY, HALF_HEAD, ROWS, BLOCK_N)
+                                stride_cm, stride_sm, rotary_cols, GATED, ROTARY, HALF_HEAD, HEAD, ROWS, BLOCK_N)
         store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)

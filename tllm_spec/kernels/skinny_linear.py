@@ -14,9 +14,10 @@ both.
 loads its gate rows and the matching up rows interleaved, so the product is its epilogue: no activation
 kernel, and the [M, 2I] projection never reaches memory. ``residual``: the rounded result plus a residual
 [M, N], rounded again (eager torch's ``residual + y``). ``rope_cos``/``rope_sin`` [M, D] with
-``rotary_cols``: the first ``rotary_cols`` output features (a fused q|k|v projection's q and k heads of D) are
-rotated (RoPE) in the epilogue: a program over them loads each rotary pair's weight rows (d, d + D/2) side by
-side, as the gated case loads gate and up, so no rotary kernel runs between the projection and attention.
+``rotary_cols``: the first ``rotary_cols`` output features (a fused q|k|v projection's q and k heads) are
+rotated (RoPE) in the epilogue, the first D features of each head of ``head_dim`` (D by default; GLM-4.5's partial
+rotary embedding rotates half of each head): a program over them loads each rotary pair's weight rows (d, d + D/2)
+side by side, as the gated case loads gate and up, so no rotary kernel runs between the projection and attention.
 (Folding an RMSNorm in front instead was measured and
 dropped: its sums of squares and the elementwise work on the x tile inside the K loop cost the GEMM more than
 the norm's own kernel.)
@@ -65,31 +66,36 @@ def tile_config(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       config: tuple[int, int, int, int] | None = None, gated: bool = False,
                       residual: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
-                      rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
+                      rope_sin: torch.Tensor | None = None, rotary_cols: int = 0, head_dim: int = 0) -> torch.Tensor:
     """Torch reference (the CPU path and the oracle). x [M, K]; weight [N, K]; bias [N] -> y [M, N]; ``gated``:
     -> ``silu(y[:, :N/2]) * y[:, N/2:]`` [M, N/2], the stock SwiGLU's ops and roundings; ``residual`` (the
     result's shape): ``residual + result``; ``rope_cos``, ``rope_sin`` [M, D]: y[:, :rotary_cols] rotated per
-    head of D (the stock ``apply_rotary``)."""
+    head (:func:`rotate_columns_ref`)."""
     y = F.linear(x, weight, bias)
     if gated:
         y = silu_mul_ref(y)
     if rope_cos is not None:
-        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols)
+        y = rotate_columns_ref(y, rope_cos, rope_sin, rotary_cols, head_dim)
     return y if residual is None else residual + y
 
 
-def rotate_columns_ref(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int) -> torch.Tensor:
-    """y [M, F] with its first ``rotary_cols`` features rotated per head of D (a q|k|v projection's q and k heads;
-    cos, sin [M, D]) by the stock ``apply_rotary``, the rest as they are: the rotary epilogue's reference."""
-    heads = y[:, :rotary_cols].view(y.shape[0], -1, cos.shape[-1])
-    rotated = apply_rotary(heads, cos[:, None], sin[:, None])
+def rotate_columns_ref(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int,
+                       head_dim: int = 0) -> torch.Tensor:
+    """y [M, F] with its first ``rotary_cols`` features (a q|k|v projection's q and k heads of ``head_dim``, default
+    D) rotated, the first D features of each head (cos, sin [M, D]) by the stock ``apply_rotary``, the rest as they
+    are: the rotary epilogue's reference."""
+    width = cos.shape[-1]
+    heads = y[:, :rotary_cols].view(y.shape[0], -1, head_dim or width)
+    rotated = apply_rotary(heads[..., :width], cos[:, None], sin[:, None])
+    if width < heads.shape[-1]:  # a partial rotary embedding: the rest of each head passes
+        rotated = torch.cat([rotated, heads[..., width:]], dim=-1)
     return torch.cat([rotated.flatten(1), y[:, rotary_cols:]], dim=1)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
              residual: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
              rope_sin: torch.Tensor | None = None, rotary_cols: int = 0,
-             config: tuple[int, int, int, int] | None = None) -> bool:
+             config: tuple[int, int, int, int] | None = None, head_dim: int = 0) -> bool:
     """Whether :func:`skinny_linear` takes its kernel for these operands."""
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     return (kernels.runs_kernel(x) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype
@@ -99,30 +105,32 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
             and (residual is None or (residual.dtype == x.dtype and residual.shape == (x.shape[0], out_features)
                                       and residual.stride(1) == 1))
             and (rope_cos is None or rotary_fits(x.shape[0], weight.shape[0], x.dtype, gated, rope_cos, rope_sin,
-                                                 rotary_cols, (config or tile_config(*weight.shape, x.shape[0]))[0])))
+                                                 rotary_cols, (config or tile_config(*weight.shape, x.shape[0]))[0],
+                                                head_dim)))
 
 
 def rotary_fits(rows: int, n: int, dtype: torch.dtype, gated: bool, cos: torch.Tensor, sin: torch.Tensor,
-                rotary_cols: int, block_n: int) -> bool:
+                rotary_cols: int, block_n: int, head_dim: int = 0) -> bool:
     """Whether a GEMM kernel's rotary epilogue takes these operands (``rows`` x ``n`` results in ``dtype``, programs
-    of ``block_n`` features): a program's BLOCK_N / 2 rotary pairs lie in one head, and its columns are all rotated
-    or none."""
-    head_dim = cos.shape[-1]
-    return (not gated and cos.shape == sin.shape == (rows, head_dim) and cos.dtype == sin.dtype == dtype
-            and cos.stride(1) == sin.stride(1) == 1 and head_dim % block_n == 0
-            and rotary_cols % head_dim == 0 and rotary_cols <= n)
+    of ``block_n`` features, heads of ``head_dim``, default the table's width): a program's BLOCK_N / 2 rotary pairs
+    lie in one head's rotated features, and its columns are all rotated or none."""
+    width = cos.shape[-1]
+    head = head_dim or width
+    return (not gated and cos.shape == sin.shape == (rows, width) and cos.dtype == sin.dtype == dtype
+            and cos.stride(1) == sin.stride(1) == 1 and width % block_n == 0 and head % block_n == 0
+            and width <= head and rotary_cols % head == 0 and rotary_cols <= n)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None, gated: bool = False,
                   residual: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
-                  rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
+                  rope_sin: torch.Tensor | None = None, rotary_cols: int = 0, head_dim: int = 0) -> torch.Tensor:
     """The Triton kernel where :func:`supports` says so, else the reference. Same signature as
     :func:`skinny_linear_ref`; ``config`` = (BLOCK_N, BLOCK_K, num_warps, num_stages), default
     :func:`tile_config` (BLOCK_N counts gate and up rows together)."""
-    if not supports(x, weight, bias, gated, residual, rope_cos, rope_sin, rotary_cols, config):
+    if not supports(x, weight, bias, gated, residual, rope_cos, rope_sin, rotary_cols, config, head_dim):
         return skinny_linear_ref(x, weight, bias, gated=gated, residual=residual, rope_cos=rope_cos,
-                                 rope_sin=rope_sin, rotary_cols=rotary_cols)
+                                 rope_sin=rope_sin, rotary_cols=rotary_cols, head_dim=head_dim)
     rows, k = x.shape
     n = weight.shape[0]
     block_n, block_k, num_warps, num_stages = config or tile_config(n, k, rows)
@@ -135,7 +143,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out.stride(0), 0 if residual is None else residual.stride(0), rope_cos.stride(0) if rotary else 0,
         rope_sin.stride(0) if rotary else 0, rotary_cols if rotary else 0,
         HAS_BIAS=bias is not None, GATED=gated, HAS_RESIDUAL=residual is not None, ROTARY=rotary,
-        HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1, ROWS=padded_rows(rows), BLOCK_N=block_n,
+        HALF_HEAD=rope_cos.shape[-1] // 2 if rotary else 1, HEAD=(head_dim or rope_cos.shape[-1]) if rotary else 2,
+        ROWS=padded_rows(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         **dependent_launch.launch_options(pdl))
     return out
@@ -144,14 +153,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @torch.library.custom_op("tllm_spec::skinny_linear", mutates_args=())
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
                      residual: torch.Tensor | None = None, rope_cos: torch.Tensor | None = None,
-                     rope_sin: torch.Tensor | None = None, rotary_cols: int = 0) -> torch.Tensor:
+                     rope_sin: torch.Tensor | None = None, rotary_cols: int = 0, head_dim: int = 0) -> torch.Tensor:
     """:func:`skinny_linear` as a torch op (opaque to torch.compile). x [..., K] -> [..., N] (gated: N/2)."""
     return skinny_linear(x, weight, bias, gated=gated, residual=residual, rope_cos=rope_cos, rope_sin=rope_sin,
-                         rotary_cols=rotary_cols)
+                         rotary_cols=rotary_cols, head_dim=head_dim)
 
 
 @skinny_linear_op.register_fake
-def _(x, weight, bias, gated=False, residual=None, rope_cos=None, rope_sin=None, rotary_cols=0):
+def _(x, weight, bias, gated=False, residual=None, rope_cos=None, rope_sin=None, rotary_cols=0, head_dim=0):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0], dtype=dtype)
 
@@ -163,20 +172,21 @@ if triton is not None:
     def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, cos_ptr, sin_ptr, M, N, K, stride_xm, stride_ym,
                               stride_rm, stride_cm, stride_sm, rotary_cols, HAS_BIAS: tl.constexpr,
                               GATED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROTARY: tl.constexpr,
-                              HALF_HEAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                              HALF_HEAD: tl.constexpr, HEAD: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One program: output features [pid * BLOCK_N, +BLOCK_N) for all M (<= ROWS) rows, the whole of K.
         GATED: N is the output width I; the program's BLOCK_N weight rows are gate row f and up row I + f
         interleaved for its BLOCK_N / 2 features f, and it stores silu(gate) * up (each rounded as eager
-        torch rounds them). ROTARY: a program below ``rotary_cols`` takes the rows d and d + HALF_HEAD of its
-        head interleaved and stores them rotated (x * cos + rotate_half(x) * sin, eager's roundings).
+        torch rounds them). ROTARY: a program below ``rotary_cols`` in the first 2 * HALF_HEAD features of a head
+        of HEAD takes the rows d and d + HALF_HEAD of its head interleaved and stores them rotated
+        (x * cos + rotate_half(x) * sin, eager's roundings).
         HAS_RESIDUAL: plus r, rounded again. PDL: launched as a programmatic dependent of the previous kernel
         (:mod:`.dependent_launch`). (Asking L2 for the first weight tiles before the wait was measured on an
         H200 and dropped: 32 KB a program gained 0.01 ms a step, 64 KB and more lost up to 0.24 ms.)"""
         pid = tl.program_id(0)
         offs_m = tl.arange(0, ROWS)
         offs_k = tl.arange(0, BLOCK_K)
-        w_row, mask_n = weight_rows(pid, N, rotary_cols, GATED, ROTARY, HALF_HEAD, BLOCK_N)
+        w_row, mask_n = weight_rows(pid, N, rotary_cols, GATED, ROTARY, HALF_HEAD, HEAD, BLOCK_N)
         mask_m = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         w_rows = w_ptr + w_row[:, None].to(tl.int64) * K
@@ -193,34 +203,47 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + w_row, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         y, offs_n = finish_rows(acc, y_ptr.dtype.element_ty, pid, w_row, offs_m, mask_m, cos_ptr, sin_ptr, stride_cm,
-                                stride_sm, rotary_cols, GATED, ROTARY, HALF_HEAD, ROWS, BLOCK_N)
+                                stride_sm, rotary_cols, GATED, ROTARY, HALF_HEAD, HEAD, ROWS, BLOCK_N)
         store_rows(y, y_ptr, r_ptr, offs_m, offs_n, mask_m, N, stride_ym, stride_rm, HAS_RESIDUAL)
 
     @triton.jit
+    def rotated_program(pid, rotary_cols, HALF_HEAD: tl.constexpr, HEAD: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Whether program ``pid``'s BLOCK_N columns are rotary features: below ``rotary_cols``, in the first
+        2 * HALF_HEAD features of their head of HEAD."""
+        first = pid * BLOCK_N
+        return (first < rotary_cols) & (first % HEAD < 2 * HALF_HEAD)
+
+    @triton.jit
+    def rotary_pairs(pid, HEAD: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A rotated program's BLOCK_N / 2 rotary pairs d (rows d and d + HALF_HEAD of its head)."""
+        return (pid * BLOCK_N % HEAD) // 2 + tl.arange(0, BLOCK_N // 2)
+
+    @triton.jit
     def weight_rows(pid, N, rotary_cols, GATED: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    HEAD: tl.constexpr, BLOCK_N: tl.constexpr):
         """(the weight rows of output-feature program ``pid``'s BLOCK_N columns, which of them exist): GATED, gate
-        row f and up row N + f interleaved for its BLOCK_N / 2 features f; ROTARY, below ``rotary_cols``, the rows
+        row f and up row N + f interleaved for its BLOCK_N / 2 features f; ROTARY, a :func:`rotated_program`'s rows
         d and d + HALF_HEAD of one head interleaved (the pairs the epilogue rotates); else the program's rows."""
         cols = tl.arange(0, BLOCK_N)
-        pair = pid * (BLOCK_N // 2) + cols // 2  # the program's feature / rotary pair of each weight row
         if GATED:
+            pair = pid * (BLOCK_N // 2) + cols // 2  # the program's feature of each weight row
             w_row = pair + (cols % 2) * N  # gate, up, gate, up, ...
             mask_n = pair < N
         else:
             w_row = pid * BLOCK_N + cols
             if ROTARY:
-                if pid * BLOCK_N < rotary_cols:  # d, d + D/2, d + 1, d + 1 + D/2, ... of one head
-                    w_row = (pair // HALF_HEAD) * (2 * HALF_HEAD) + pair % HALF_HEAD + (cols % 2) * HALF_HEAD
+                if rotated_program(pid, rotary_cols, HALF_HEAD, HEAD, BLOCK_N):  # d, d + D/2, d + 1, d + 1 + D/2, ...
+                    d = (pid * BLOCK_N % HEAD) // 2 + cols // 2  # each column's pair (rotary_pairs)
+                    w_row = (pid * BLOCK_N // HEAD) * HEAD + d + (cols % 2) * HALF_HEAD
             mask_n = w_row < N
         return w_row, mask_n
 
     @triton.jit
     def finish_rows(acc, dtype, pid, w_row, offs_m, mask_m, cos_ptr, sin_ptr, stride_cm, stride_sm, rotary_cols,
-                    GATED: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    GATED: tl.constexpr, ROTARY: tl.constexpr, HALF_HEAD: tl.constexpr, HEAD: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         """(the results in ``dtype`` of fp32 sums acc [ROWS, BLOCK_N] over :func:`weight_rows`' rows, their output
-        columns): GATED, the SwiGLU products; ROTARY, below ``rotary_cols``, the rotated pairs; else acc rounded."""
+        columns): GATED, the SwiGLU products; ROTARY, a rotated program's pairs rotated; else acc rounded."""
         if GATED:
             y = swiglu_pairs(acc, dtype, ROWS, BLOCK_N)
             offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -228,10 +251,9 @@ if triton is not None:
             y = acc.to(dtype)
             offs_n = w_row
             if ROTARY:
-                if pid * BLOCK_N < rotary_cols:
+                if rotated_program(pid, rotary_cols, HALF_HEAD, HEAD, BLOCK_N):
                     y = _rotate_pairs(y, cos_ptr, sin_ptr, stride_cm, stride_sm, offs_m, mask_m,
-                                      pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), HALF_HEAD, ROWS,
-                                      BLOCK_N)
+                                      rotary_pairs(pid, HEAD, BLOCK_N), HALF_HEAD, ROWS, BLOCK_N)
         return y, offs_n
 
     @triton.jit

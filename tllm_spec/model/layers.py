@@ -27,10 +27,12 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 def linear(x: torch.Tensor | QuantizedRows, layer: nn.Linear, gated: bool = False, residual: torch.Tensor | None = None,
-           rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0) -> torch.Tensor:
+           rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0, head_dim: int = 0
+           ) -> torch.Tensor:
     """``layer(x)`` for x [N, in]; ``gated``: ``layer`` is a fused gate/up projection and the result its SwiGLU
     product ``silu(gate) * up`` [N, out / 2]; ``residual``: plus this (the result's shape); ``rope`` (cos, sin)
-    [N, 1, D]: the first ``rotary_cols`` features rotated per head of D. On CUDA through the skinny-GEMM op: a
+    [N, 1, D]: among the first ``rotary_cols`` features, the first D of each head of ``head_dim`` (default D)
+    rotated. On CUDA through the skinny-GEMM op: a
     decoding step's few rows (<= 32, bf16 or fp16) stream the weight through tllm_spec's kernel (product, add
     and rotation are its epilogue), anything else is cuBLAS and the stock ops (decided per call inside the op,
     so one compiled graph serves both); elsewhere the same stock ops (the op's reference). An FP8 ``layer``
@@ -39,10 +41,10 @@ def linear(x: torch.Tensor | QuantizedRows, layer: nn.Linear, gated: bool = Fals
     cos, sin = (rope[0][:, 0], rope[1][:, 0]) if rope is not None else (None, None)
     if isinstance(layer, Fp8Linear):
         return layer.project(x, gated=gated, residual=residual, rope=None if rope is None else (cos, sin),
-                             rotary_cols=rotary_cols)
+                             rotary_cols=rotary_cols, head_dim=head_dim)
     op = traced(torch.ops.tllm_spec.skinny_linear, skinny_linear) if x.is_cuda else skinny_linear_ref
     return op(x, layer.weight, layer.bias, gated=gated, residual=residual, rope_cos=cos, rope_sin=sin,
-              rotary_cols=rotary_cols)
+              rotary_cols=rotary_cols, head_dim=head_dim)
 
 
 def few_row_kernels(x: torch.Tensor, attn: AttentionMetadata, max_rows: int = MAX_ROWS) -> bool:
@@ -181,11 +183,12 @@ class Attention(nn.Module):
                 residual: torch.Tensor | None = None, rotary_epilogue: bool = False, partial: bool = False
                 ) -> torch.Tensor:
         """x [N, H_in] -> [N, H] (plus ``residual``; ``partial``: see :func:`output_projection`);
-        ``rotary_epilogue``: q and k are rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between."""
+        ``rotary_epilogue``: q and k are rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between
+        (also a partial rotary embedding's first features of each head)."""
         q_size, kv_size = self.q_size, self.kv_size
         whole = rope[0].shape[-1] == self.head_dim  # else the first features of each head only (GLM-4.5)
-        if rotary_epilogue and self.q_norm is None and whole:
-            qkv = linear(x, self.qkv_proj, rope=rope, rotary_cols=q_size + kv_size)
+        if rotary_epilogue and self.q_norm is None:
+            qkv = linear(x, self.qkv_proj, rope=rope, rotary_cols=q_size + kv_size, head_dim=self.head_dim)
             q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
         elif self.q_norm is None and whole:  # q and k rotated as one tensor: one kernel; q stays a view for attend

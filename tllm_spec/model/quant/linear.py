@@ -74,10 +74,12 @@ class Fp8Linear(nn.Linear):
         return self.input_scale is None and not self.block_scales
 
     def project(self, x: torch.Tensor | QuantizedRows, gated: bool = False, residual: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, rotary_cols: int = 0,
+                head_dim: int = 0) -> torch.Tensor:
         """x [M, K] (or :class:`QuantizedRows`, when :attr:`quantizes_per_token`) -> [M, N] (``gated``: the SwiGLU
-        product [M, N/2]; ``residual``: plus it; ``rope`` (cos, sin) [M, D]: the first ``rotary_cols`` features
-        rotated per head of D), the kernels' op on CUDA (opaque to torch.compile), the reference elsewhere."""
+        product [M, N/2]; ``residual``: plus it; ``rope`` (cos, sin) [M, D]: the first D features of each head of
+        ``head_dim`` (default D) among the first ``rotary_cols`` rotated), the kernels' op on CUDA (opaque to
+        torch.compile), the reference elsewhere."""
         rows, x_scale, out_dtype = (x.q, x.scale, x.dtype) if isinstance(x, QuantizedRows) else (x, None, None)
         if not rows.is_cuda:
             op = fp8_linear_ref
@@ -85,7 +87,7 @@ class Fp8Linear(nn.Linear):
             op = torch.ops.tllm_spec.fp8_linear if torch.compiler.is_compiling() else fp8_linear
         cos, sin = rope if rope is not None else (None, None)
         return op(rows, self.weight, self.weight_scale, self.bias, self.input_scale, self.block_scales, self.scale_ub,
-                  gated, residual, x_scale, out_dtype, cos, sin, rotary_cols)
+                  gated, residual, x_scale, out_dtype, cos, sin, rotary_cols, head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
