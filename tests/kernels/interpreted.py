@@ -19,6 +19,7 @@ from tllm_spec.kernels import moe_align as align_module
 from tllm_spec.kernels import moe_topk as topk_module
 from tllm_spec.kernels import move_rows as move_rows_module
 from tllm_spec.kernels import paged_attention as attention_module
+from tllm_spec.kernels import qk_norm_rotary as qk_norm_module
 from tllm_spec.kernels import router_logits as router_module
 from tllm_spec.kernels import rms_norm as rms_norm_module
 from tllm_spec.kernels import rotary as rotary_module
@@ -270,6 +271,22 @@ def _rotary_case(tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype)
     assert torch.equal(out, rotary_module.rotary_ref(x, cos, sin))
 
 
+def _qk_norm_rotary_case(tokens: int, num_heads: int, num_kv_heads: int, dim: int, width: int) -> None:
+    """Qwen3's q/k norms then RoPE on a qkv row (rows strided, cos/sin rows gathered from a wider table, a head
+    count that is no multiple of the heads per program; GLM-4.5's partial rotation): the reference's values, where
+    the kernel's fp32 mean square may round one element a bf16 ulp apart."""
+    g = torch.Generator().manual_seed(tokens * 5 + num_heads + dim + width)
+    qkv = (torch.randn(tokens, (num_heads + 2 * num_kv_heads) * dim + 8, generator=g) * 3).bfloat16()[:, 8:]
+    q_weight, k_weight = (1 + 0.2 * torch.randn(2, dim, generator=g)).bfloat16().unbind(0)
+    cos, sin = torch.randn(2, tokens, width + 4, generator=g).bfloat16()[..., 2:width + 2].unbind(0)
+    args = (qkv, q_weight, k_weight, 1e-6, cos, sin, num_heads, num_kv_heads)
+    assert qk_norm_module.supports(*args[:3], cos, sin)
+    out, ref = qk_norm_module.qk_norm_rotary(*args), qk_norm_module.qk_norm_rotary_ref(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, num_heads + num_kv_heads, dim)
+    assert (out != ref).float().mean() < 0.01
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.07, rtol=2 ** -7)
+
+
 def _moe_align_case(num_tokens: int, top_k: int, num_experts: int, block_m: int, dtype: torch.dtype) -> None:
     """The one-program sort against the reference, to the bit (both are stable): half the pairs on expert 1 (a
     group of several blocks), the upper half of the experts idle, one id of no expert here (left out)."""
@@ -481,6 +498,10 @@ def _all_cases() -> None:
                                                                                            torch.float32]):
         _rotary_case(tokens, num_heads, head_dim, dtype)
         print(f"ok rotary tokens={tokens} heads={num_heads} d={head_dim} {dtype}")
+    for tokens, (num_heads, num_kv_heads), (dim, width) in itertools.product([1, 5], [(4, 2), (7, 1)],
+                                                                             [(32, 32), (64, 32), (16, 8)]):
+        _qk_norm_rotary_case(tokens, num_heads, num_kv_heads, dim, width)
+        print(f"ok qk_norm_rotary tokens={tokens} heads={num_heads}/{num_kv_heads} d={dim} rotated={width}")
     moe_shapes = [(1, 1, 8), (1, 8, 64), (3, 2, 8), (100, 2, 8), (25, 8, 64), (200, 1, 64)]
     for (num_tokens, top_k, num_experts), block_m, dtype in itertools.product(
             moe_shapes + [(512, 8, 512)], [16, 64], [torch.int32, torch.int64]):

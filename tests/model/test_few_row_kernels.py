@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tllm_spec import MTPConfig, SamplingParams
 from tllm_spec.drafts.eagle3 import model as eagle3_module
@@ -69,23 +70,44 @@ def test_eagle3_midlayer_drafts_the_same_on_both_paths(norm_before_residual, mon
     assert proposals() == stock and len(stock) >= 5
 
 
-def test_a_partial_rotary_embedding_in_the_qkv_epilogue_is_lossless(forced_rule, monkeypatch, tmp_path):
-    """GLM-4.5-Air's attention (biases, half of each head rotated, no q/k norm) asks its q|k|v GEMM for the
-    rotation, per head of head_dim: lossless, so the epilogue's reference rotates what the stock layer rotates."""
-    overrides = {**ARCH_OVERRIDES["glm4_moe"], "use_qk_norm": False}
-    config = target_config("glm4_moe", vocab_size=97, num_hidden_layers=3, **overrides)
-    target = save_random_target(tmp_path / "glm-air", config, seed=3)
-    asked = []
-    original = layers.linear
+def _target_with_random_norms(path, arch: str, **overrides):
+    """A tiny random ``arch`` target whose RMSNorm weights are random too (the stock init leaves them ones, which
+    would hide a norm given another's weight)."""
+    config = target_config(arch, vocab_size=97, num_hidden_layers=3, **{**ARCH_OVERRIDES[arch], **overrides})
+    target = save_random_target(path, config, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=g))
+    model.save_pretrained(target)
+    return target
 
-    def recording(x, layer, *args, **kwargs):
-        if kwargs.get("rotary_cols"):
-            asked.append(kwargs.get("head_dim"))
-        return original(x, layer, *args, **kwargs)
-    monkeypatch.setattr(layers, "linear", recording)
+
+@pytest.mark.parametrize("arch,overrides,kind", [
+    ("glm4_moe", {"use_qk_norm": False}, "the q|k|v GEMM's rotary epilogue, half of each head"),
+    ("glm4_moe", {}, "q/k norms and half of each head rotated in one kernel"),
+    ("qwen3", {}, "q/k norms and the rotation in one kernel")])
+def test_q_and_k_norms_and_rotations_on_the_few_row_path_are_lossless(arch, overrides, kind, forced_rule,
+                                                                      monkeypatch, tmp_path):
+    """GLM-4.5-Air's attention (biases, half of each head rotated, no q/k norm) asks its q|k|v GEMM for the
+    rotation, per head of head_dim; GLM-4.5's and Qwen3's (q/k norms) run the norms and the rotation as one op
+    (kernels/qk_norm_rotary.py): lossless, so each path rotates and normalises what the stock layer does."""
+    target = _target_with_random_norms(tmp_path / arch, arch, **overrides)
+    asked = []
+    for name in ("linear", "qk_norm_rotary_ref"):
+        original = getattr(layers, name)
+
+        def recording(*args, _original=original, _name=name, **kwargs):
+            if _name != "linear" or kwargs.get("rotary_cols"):
+                asked.append((_name, kwargs.get("head_dim")))
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(layers, name, recording)
     model = SpecModel.from_pretrained(target, None, max_batch_size=2)
     check_lossless(target, model, PROMPTS[:2], MAX_NEW[:2])
-    assert forced_rule and asked and set(asked) == {overrides["head_dim"]}
+    expected = ("linear", ARCH_OVERRIDES[arch]["head_dim"]) if "epilogue" in kind else ("qk_norm_rotary_ref", None)
+    assert forced_rule and set(asked) == {expected}
 
 
 def test_mtp_layers_are_lossless(forced_rule):

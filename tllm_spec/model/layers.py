@@ -14,6 +14,7 @@ from torch import nn
 
 from ..distributed.parallel import all_reduce_add_norm
 from ..kernels.fp8_linear import MAX_ROWS as FP8_MAX_ROWS
+from ..kernels.qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_ref
 from ..kernels.rms_norm import rms_norm, rms_norm_fp8
 from ..kernels.rotary import rotary
 from ..kernels.silu_mul import silu_mul, silu_mul_ref
@@ -183,14 +184,21 @@ class Attention(nn.Module):
                 residual: torch.Tensor | None = None, rotary_epilogue: bool = False, partial: bool = False
                 ) -> torch.Tensor:
         """x [N, H_in] -> [N, H] (plus ``residual``; ``partial``: see :func:`output_projection`);
-        ``rotary_epilogue``: q and k are rotated by the qkv GEMM (:func:`linear`) where no q/k norm comes between
-        (also a partial rotary embedding's first features of each head)."""
+        ``rotary_epilogue`` (the few-row path): q and k are rotated by the qkv GEMM (:func:`linear`) where no q/k
+        norm comes between (also a partial rotary embedding's first features of each head); with q/k norms, the
+        norms and the rotation are one kernel after it (kernels/qk_norm_rotary.py)."""
         q_size, kv_size = self.q_size, self.kv_size
         whole = rope[0].shape[-1] == self.head_dim  # else the first features of each head only (GLM-4.5)
         if rotary_epilogue and self.q_norm is None:
             qkv = linear(x, self.qkv_proj, rope=rope, rotary_cols=q_size + kv_size, head_dim=self.head_dim)
             q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        elif rotary_epilogue and self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype:
+            qkv = linear(x, self.qkv_proj)
+            op = traced(torch.ops.tllm_spec.qk_norm_rotary, qk_norm_rotary) if x.is_cuda else qk_norm_rotary_ref
+            qk = op(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon, rope[0][:, 0],
+                    rope[1][:, 0], self.num_heads, self.num_kv_heads)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         elif self.q_norm is None and whole:  # q and k rotated as one tensor: one kernel; q stays a view for attend
             qkv = linear(x, self.qkv_proj)
             qk = qkv[:, :q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
