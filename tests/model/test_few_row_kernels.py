@@ -110,6 +110,23 @@ def test_q_and_k_norms_and_rotations_on_the_few_row_path_are_lossless(arch, over
     assert forced_rule and set(asked) == {expected}
 
 
+def test_an_fp8_target_with_q_and_k_norms_decodes_on_the_few_row_path_as_on_the_stock_one(monkeypatch, tmp_path):
+    """An FP8 Qwen3 target (quantized at load): its norms hand the q|k|v projection FP8 rows, whose result the q/k
+    norm op takes. On the CPU both paths are the same reference ops, so the tokens are the same."""
+    target = _target_with_random_norms(tmp_path / "qwen3", "qwen3")
+    params = [SamplingParams(max_new_tokens=n) for n in MAX_NEW[:2]]
+
+    def tokens() -> list:
+        with SpecModel.from_pretrained(target, None, quantization="fp8", max_batch_size=2) as model:
+            return [out.token_ids for out in model.generate(PROMPTS[:2], params)]
+    stock = tokens()
+    monkeypatch.setattr(layers, "few_row_kernels", lambda x, attn, max_rows=MAX_ROWS: True)
+    asked = []
+    original = layers.qk_norm_rotary_ref
+    monkeypatch.setattr(layers, "qk_norm_rotary_ref", lambda *args: asked.append(args[0].shape) or original(*args))
+    assert tokens() == stock and asked
+
+
 def test_mtp_layers_are_lossless(forced_rule):
     target = mtp_target("llama", "deepseek")
     model = SpecModel.from_pretrained(target, MTPConfig(num_nextn_predict_layers=1, max_draft_len=3),

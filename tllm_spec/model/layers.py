@@ -195,7 +195,7 @@ class Attention(nn.Module):
             k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
         elif rotary_epilogue and self.q_norm.weight.dtype == self.k_norm.weight.dtype == x.dtype:
             qkv = linear(x, self.qkv_proj)
-            op = traced(torch.ops.tllm_spec.qk_norm_rotary, qk_norm_rotary) if x.is_cuda else qk_norm_rotary_ref
+            op = traced(torch.ops.tllm_spec.qk_norm_rotary, qk_norm_rotary) if qkv.is_cuda else qk_norm_rotary_ref
             qk = op(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon, rope[0][:, 0],
                     rope[1][:, 0], self.num_heads, self.num_kv_heads)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
